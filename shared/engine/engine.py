@@ -1,0 +1,185 @@
+"""The in-process engine: requests in, tokens out, one scheduler step at a time."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shared.config import resolve_device, resolve_dtype
+from shared.engine.model_runner import ModelRunner
+from shared.engine.scheduler import Scheduler
+from shared.engine.sequence import Sequence
+from shared.kvcache.block_manager import BlockManager
+from shared.kvcache.kv_cache import KVCache
+from shared.model.loader import load_model
+from shared.sampling.params import SamplingParams
+from shared.sampling.sampler import make_generator
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings; each field is also a command-line option (see shared.config)."""
+
+    model: str = _opt(None, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    device: str | None = _opt(None, "cpu, cuda, cuda:N (default: cuda when available)")
+    dtype: str | None = _opt(None, "float32, bfloat16, float16 (default: fp32 on CPU, bf16 on GPU)")
+    block_size: int = _opt(16, "tokens per KV-cache block")
+    kv_cache_gb: float = _opt(1.0, "memory for the KV cache, GiB")
+    max_num_seqs: int = _opt(64, "most sequences running at once")
+    max_num_batched_tokens: int = _opt(512, "token budget of one step (chunked prefill)")
+    max_model_len: int | None = _opt(
+        None, "context limit (default: the model's, capped by the cache)"
+    )
+    attention_backend: str = _opt("torch", "attention implementation")
+
+
+@dataclass
+class TokenOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    num_prompt_tokens: int = 0
+    num_reused_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    generated_tokens: int = 0
+    forward_seconds: float = 0.0
+
+
+def _generation_eos(model_dir: Path) -> set[int]:
+    path = model_dir / "generation_config.json"
+    if not path.exists():
+        return set()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, device)
+        if cfg.model is None:
+            raise ValueError("EngineConfig.model must name a model directory or .gguf file")
+        self.model = load_model(cfg.model, device, dtype, cfg.attention_backend)
+        mcfg = self.model.config
+        num_blocks = KVCache.blocks_for_memory(
+            mcfg, int(cfg.kv_cache_gb * 2**30), cfg.block_size, dtype
+        )
+        self.max_model_len = min(
+            cfg.max_model_len or mcfg.max_position_embeddings,
+            mcfg.max_position_embeddings,
+            num_blocks * cfg.block_size,
+        )
+        self.eos_token_ids = set(mcfg.eos_token_ids) | _generation_eos(Path(cfg.model))
+        self.kv_cache = KVCache(mcfg, num_blocks, cfg.block_size, device, dtype)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.sequences: dict[str, Sequence] = {}
+        self.stats = EngineStats()
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError with a user-facing message if the request cannot run."""
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                f"exceeds the maximum context length of {self.max_model_len} tokens"
+            )
+        vocab = self.model.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.check_request(prompt_ids, params)
+        if request_id in self.sequences:
+            raise ValueError(f"request id {request_id!r} is already running")
+        seq = Sequence(
+            request_id, list(prompt_ids), params, make_generator(params.seed, self.runner.device)
+        )
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+            return "stop"
+        if len(seq) - seq.num_prompt_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def step(self) -> list[TokenOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        start = time.perf_counter()
+        sampled, out = self.runner.step(batch)
+        self.stats.forward_seconds += time.perf_counter() - start
+        self.stats.steps += 1
+        for seq, num in batch:
+            computed_before = seq.num_computed_tokens
+            seq.num_computed_tokens += num
+            self.block_manager.seal(seq, computed_before)
+        outputs = []
+        for i, seq in enumerate(sampled):
+            token = out.token_ids[i]
+            seq.token_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            outputs.append(
+                TokenOutput(
+                    seq.request_id,
+                    token,
+                    out.logprobs[i],
+                    out.top_logprobs[i],
+                    reason,
+                    seq.num_prompt_tokens,
+                    seq.num_reused_tokens,
+                )
+            )
+            if reason is not None:
+                self.sequences.pop(seq.request_id, None)
+                self.scheduler.remove(seq)
+        self.stats.generated_tokens += len(sampled)
+        return outputs
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
+        """Run prompts to completion (tests, benchmarks). Returns generated token ids."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
+            self.add_request(rid, prompt, p)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while any(rid in self.sequences for rid in ids):
+            for o in self.step():
+                if o.request_id in results:
+                    results[o.request_id].append(o.token_id)
+        return [results[rid] for rid in ids]

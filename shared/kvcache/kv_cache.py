@@ -1,0 +1,29 @@
+"""The paged KV storage: per layer, K and V as `[num_blocks * block_size, kv_heads, head_dim]`."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.model.config import ModelConfig
+
+
+class KVCache:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.storage = torch.zeros(shape, device=device, dtype=dtype)
+        self.layers = [(layer[0], layer[1]) for layer in self.storage]
+
+    @staticmethod
+    def blocks_for_memory(
+        cfg: ModelConfig, memory_bytes: int, block_size: int, dtype: torch.dtype
+    ) -> int:
+        per_block = cfg.kv_bytes_per_token * block_size * dtype.itemsize
+        return max(1, memory_bytes // per_block)

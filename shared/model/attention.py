@@ -1,0 +1,149 @@
+"""Paged attention behind a small backend interface.
+
+A forward pass carries new tokens of many sequences flattened into one
+`[T, heads, head_dim]` batch. Each sequence sees its cached prefix in full and
+its new tokens through a mask: causal for prefill and decode, or any mask
+("extend with a custom mask"), which is what tree verification needs.
+The torch backend below is the CPU default; GPU backends live in `kernels/`
+and are imported only when asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SequenceSpan:
+    """One sequence's part of a forward pass."""
+
+    block_table: list[int]
+    num_cached: int  # tokens already in the KV cache (all visible to the new ones)
+    num_new: int  # new tokens; their KV goes to cache slots num_cached .. num_cached+num_new-1
+    mask: torch.Tensor | None = None  # [num_new, num_new] bool among new tokens; None = causal
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    # Sequences with one causal new token (decode) attend in one padded batch.
+    decode_rows: torch.Tensor | None  # [Bd] indices into the T new tokens
+    decode_slots: torch.Tensor | None  # [Bd, max_ctx] context slots, padded
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_ctx] True = attend
+    # Every other sequence attends on its own: (first row, rows, context slots, mask [q, ctx]).
+    extends: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+
+
+class AttentionBackend(Protocol):
+    def prepare(
+        self, spans: list[SequenceSpan], block_size: int, device: torch.device
+    ) -> AttentionMetadata: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+
+def _context_slots(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
+    blocks = torch.tensor(block_table[: (length + block_size - 1) // block_size], dtype=torch.long)
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
+    return slots[:length]
+
+
+class TorchAttention:
+    """Plain-torch paged attention (scaled_dot_product_attention over gathered slots)."""
+
+    def prepare(
+        self, spans: list[SequenceSpan], block_size: int, device: torch.device
+    ) -> AttentionMetadata:
+        slot_mapping, decode_rows, decode_ctx, extends = [], [], [], []
+        row = 0
+        for span in spans:
+            total = span.num_cached + span.num_new
+            slots = _context_slots(span.block_table, total, block_size)
+            slot_mapping.append(slots[span.num_cached :])
+            if span.num_new == 1 and span.mask is None:
+                decode_rows.append(row)
+                decode_ctx.append(slots)
+            else:
+                new_mask = span.mask
+                if new_mask is None:
+                    new_mask = torch.ones(span.num_new, span.num_new, dtype=torch.bool).tril()
+                prefix = torch.ones(span.num_new, span.num_cached, dtype=torch.bool)
+                mask = torch.cat([prefix, new_mask.cpu()], dim=1)
+                extends.append((row, span.num_new, slots.to(device), mask.to(device)))
+            row += span.num_new
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slot_mapping).to(device),
+            decode_rows=None,
+            decode_slots=None,
+            decode_mask=None,
+            extends=extends,
+        )
+        if decode_rows:
+            lengths = torch.tensor([len(s) for s in decode_ctx])
+            padded = torch.nn.utils.rnn.pad_sequence(decode_ctx, batch_first=True)
+            mask = torch.arange(padded.shape[1])[None, :] < lengths[:, None]
+            meta.decode_rows = torch.tensor(decode_rows, device=device)
+            meta.decode_slots = padded.to(device)
+            meta.decode_mask = mask[:, None, None, :].to(device)
+        return meta
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_slots, KVH, D]. Returns [T, H*D]."""
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        num_tokens, num_heads, head_dim = q.shape
+        kv_heads = k.shape[1]
+        group = num_heads // kv_heads
+        out = q.new_empty(num_tokens, num_heads, head_dim)
+        if meta.decode_rows is not None:
+            # One query per sequence: a KV group's query heads act as `group` query rows.
+            qd = q[meta.decode_rows].view(-1, kv_heads, group, head_dim)
+            kd = k_cache[meta.decode_slots].transpose(1, 2)
+            vd = v_cache[meta.decode_slots].transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+            out[meta.decode_rows] = od.reshape(-1, num_heads, head_dim)
+        for start, n, slots, mask in meta.extends:
+            # Fold the query heads of each KV group into the row dimension (no K/V repeat).
+            qe = q[start : start + n].view(n, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+            qe = qe.reshape(kv_heads, group * n, head_dim)
+            ke = k_cache[slots].transpose(0, 1)
+            ve = v_cache[slots].transpose(0, 1)
+            oe = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=mask.repeat(group, 1))
+            oe = oe.view(kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
+            out[start : start + n] = oe.reshape(n, num_heads, head_dim)
+        return out.view(num_tokens, num_heads * head_dim)
+
+
+# GPU backends are imported by name only when chosen, so CPU use never needs them.
+_BACKENDS = {"torch": "shared.model.attention:TorchAttention"}
+
+
+def get_attention_backend(name: str = "torch") -> AttentionBackend:
+    try:
+        module, cls = _BACKENDS[name].split(":")
+    except KeyError:
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose from {sorted(_BACKENDS)}"
+        ) from None
+    return getattr(importlib.import_module(module), cls)()

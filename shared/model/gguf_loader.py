@@ -1,0 +1,185 @@
+"""Read a llama-family GGUF file as a Hugging Face config dict and fp32 state dict.
+
+The result is what `config.json` + `model.safetensors` of the matching
+`*ForCausalLM` checkpoint would hold, so the rest of the runtime only ever
+deals with one layout.
+"""
+
+from __future__ import annotations
+
+import math
+from os import PathLike
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from tqdm import tqdm
+
+# GGUF architecture -> (HF architecture, HF model_type, Q/K rows permuted by llama.cpp).
+# convert_hf_to_gguf permutes Q/K for llama-arch files only (its rotary kernel
+# rotates adjacent pairs, HF rotates halves); qwen2 files keep the HF order.
+_ARCHS: dict[str, tuple[str, str, bool]] = {
+    "llama": ("LlamaForCausalLM", "llama", True),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+}
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# llama.cpp stores Llama-3 rope scaling as this per-frequency factor tensor, not as metadata.
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+def load_gguf(
+    source: str | PathLike[str] | gguf.GGUFReader, progress: bool = False
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """`(config, state_dict)` with Hugging Face names, every tensor dequantized to fp32.
+
+    `source` may be an open reader, since parsing a GGUF's metadata (the whole
+    vocabulary) takes seconds and callers often need it too.
+    """
+    reader = source if isinstance(source, gguf.GGUFReader) else gguf.GGUFReader(source)
+    arch = metadata(reader, "general.architecture")
+    if arch not in _ARCHS:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHS)})"
+        )
+    heads = metadata(reader, f"{arch}.attention.head_count")
+    kv_heads = metadata(reader, f"{arch}.attention.head_count_kv", heads)
+    permuted = _ARCHS[arch][2]
+
+    state: dict[str, torch.Tensor] = {}
+    rope_freqs = None
+    for tensor in tqdm(reader.tensors, desc="converting", unit="tensor", disable=not progress):
+        # np.array copies: the reader's memory-mapped data is read-only.
+        weight = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+        if tensor.name == _ROPE_FREQS:
+            rope_freqs = weight
+            continue
+        if permuted and ".attn_q." in tensor.name:
+            weight = _unpermute(weight, heads)
+        elif permuted and ".attn_k." in tensor.name:
+            weight = _unpermute(weight, kv_heads)
+        state[_hf_name(tensor.name)] = torch.from_numpy(weight)
+
+    return _config(reader, arch, state, rope_freqs), state
+
+
+def metadata(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+def _f32(value: float) -> float:
+    # GGUF stores floats as f32; the shortest f32 repr gives back the config's
+    # original value (1e-05 rather than 9.999999747378752e-06).
+    return float(str(np.float32(value)))
+
+
+def _hf_name(name: str) -> str:
+    stem, kind = name.rsplit(".", 1)  # kind is "weight" or "bias"
+    try:
+        if stem.startswith("blk."):
+            _, layer, part = stem.split(".", 2)
+            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        return f"{_GLOBAL_NAMES[stem]}.{kind}"
+    except KeyError:
+        raise ValueError(f"unexpected GGUF tensor {name!r}") from None
+
+
+def _unpermute(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of convert_hf_to_gguf's `permute`: per head, llama.cpp interleaves
+    the two rotary halves; put them back as halves."""
+    half = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _config(
+    reader: gguf.GGUFReader,
+    arch: str,
+    state: dict[str, torch.Tensor],
+    rope_freqs: np.ndarray | None,
+) -> dict[str, Any]:
+    hf_arch, model_type, _ = _ARCHS[arch]
+    hidden = metadata(reader, f"{arch}.embedding_length")
+    heads = metadata(reader, f"{arch}.attention.head_count")
+    head_dim = metadata(reader, f"{arch}.attention.key_length", hidden // heads)
+    rope_theta = _f32(metadata(reader, f"{arch}.rope.freq_base", 10000.0))
+    config: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": metadata(reader, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": metadata(reader, f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": metadata(reader, f"{arch}.attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _f32(metadata(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": rope_theta,
+        "max_position_embeddings": metadata(reader, f"{arch}.context_length"),
+        "vocab_size": state["model.embed_tokens.weight"].shape[0],
+        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in state,
+        "mlp_bias": "model.layers.0.mlp.up_proj.bias" in state,
+        "tie_word_embeddings": "lm_head.weight" not in state,
+        "bos_token_id": metadata(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": metadata(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": metadata(reader, "tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "float32",
+    }
+    if rope_freqs is not None:
+        config["rope_scaling"] = _llama3_rope_scaling(rope_freqs, rope_theta, head_dim)
+    elif (kind := metadata(reader, f"{arch}.rope.scaling.type", "none")) != "none":
+        if kind not in ("linear", "yarn"):
+            raise ValueError(f"unsupported GGUF rope scaling type {kind!r}")
+        config["rope_scaling"] = {
+            "rope_type": kind,
+            "factor": _f32(metadata(reader, f"{arch}.rope.scaling.factor")),
+        }
+        original = metadata(reader, f"{arch}.rope.scaling.original_context_length")
+        if original is not None:
+            config["rope_scaling"]["original_max_position_embeddings"] = original
+    return config
+
+
+def _llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
+    """Recover HF's llama3 `rope_scaling` from llama.cpp's per-frequency factors.
+
+    Only `factor` is visible directly (the largest one); the other three are the
+    values every Llama 3.x release uses, checked by recomputing the factors the
+    way convert_hf_to_gguf does.
+    """
+    factor, low, high, original = _f32(factors.max()), 1.0, 4.0, 8192
+    expected = []
+    for freq in 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim):
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            expected.append(1.0)
+        elif wavelen > original / low:
+            expected.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            expected.append(1 / ((1 - smooth) / factor + smooth))
+    if not np.allclose(factors, expected, rtol=1e-4):
+        raise ValueError("GGUF rope_freqs do not match Llama-3 rope scaling; cannot convert")
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": original,
+    }

@@ -1,0 +1,92 @@
+"""Build a model from a Hugging Face directory (safetensors, sharded or not) or a GGUF file."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shared.model.attention import get_attention_backend
+from shared.model.config import ModelConfig
+from shared.model.llama import LlamaForCausalLM
+
+
+def _safetensors_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {model_dir}")
+    for name in files:
+        with safe_open(model_dir / name, framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def _read_checkpoint(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    if path.suffix == ".gguf":
+        from shared.model.gguf_loader import load_gguf
+
+        hf_config, state = load_gguf(path)
+        return ModelConfig.from_hf(hf_config), iter(state.items())
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} is neither a .gguf file nor a directory with config.json")
+    return ModelConfig.from_file(path / "config.json"), _safetensors_tensors(path)
+
+
+def _fused_slices(cfg: ModelConfig) -> dict[str, tuple[str, int, int, int]]:
+    """Checkpoint projection name -> (fused parameter, shard index, row offset, rows)."""
+    q, kv, ffn = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    )
+    return {
+        "q_proj": ("qkv_proj", 0, 0, q),
+        "k_proj": ("qkv_proj", 1, q, kv),
+        "v_proj": ("qkv_proj", 2, q + kv, kv),
+        "gate_proj": ("gate_up_proj", 0, 0, ffn),
+        "up_proj": ("gate_up_proj", 1, ffn, ffn),
+    }
+
+
+def load_model(
+    path: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention_backend: str = "torch",
+) -> LlamaForCausalLM:
+    cfg, tensors = _read_checkpoint(Path(path))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, get_attention_backend(attention_backend))
+    model.materialize(device, dtype)
+    params = dict(model.named_parameters())
+    fused = _fused_slices(cfg)
+    parts_needed = {
+        n: max(1, sum(n.split(".")[-2] == f for f, *_ in fused.values())) for n in params
+    }
+    loaded: dict[str, set[int]] = defaultdict(set)
+    for name, tensor in tensors:
+        name = name.removeprefix("model.")
+        if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        *prefix, proj, kind = name.split(".")
+        shard, start, rows = 0, 0, tensor.shape[0]
+        if proj in fused:
+            proj, shard, start, rows = fused[proj]
+            name = ".".join([*prefix, proj, kind])
+        if name not in params:
+            raise ValueError(f"unexpected checkpoint tensor {name!r}")
+        params[name].data[start : start + rows].copy_(tensor)
+        loaded[name].add(shard)
+    missing = [n for n in params if len(loaded[n]) != parts_needed[n]]
+    if missing:
+        more = " ..." if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint lacks weights for {missing[:5]}{more}")
+    return model.eval()

@@ -1,0 +1,72 @@
+"""Rotary position embeddings, with the scaling types HF configs use."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def _inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    # fp32 like the reference implementation, so long-context angles round the same way.
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_len / low, inv_freq / factor, scaled)
+    return torch.where(wavelen < old_len / high, inv_freq, out)
+
+
+def _yarn(
+    inv_freq: torch.Tensor, s: dict[str, Any], head_dim: int, theta: float, max_pos: int
+) -> tuple[torch.Tensor, float]:
+    factor = s["factor"]
+    old_len = s.get("original_max_position_embeddings") or max_pos
+    beta_fast, beta_slow = s.get("beta_fast", 32), s.get("beta_slow", 1)
+
+    def dim_for(rotations: float) -> float:
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dim_for(beta_fast)), 0)
+    high = min(math.ceil(dim_for(beta_slow)), head_dim - 1)
+    ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)
+    extrapolate = 1 - ramp.clamp(0, 1)
+    inv = inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
+    attention_factor = s.get("attention_factor") or 0.1 * math.log(factor) + 1.0
+    return inv, attention_factor
+
+
+def rope_cos_sin(
+    head_dim: int,
+    theta: float,
+    max_positions: int,
+    scaling: dict[str, Any] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables [max_positions, head_dim] of cos and sin (HF half-rotation layout)."""
+    inv_freq = _inv_freq(head_dim, theta)
+    mscale = 1.0
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        inv_freq = _llama3(inv_freq, scaling)
+    elif kind == "yarn":
+        inv_freq, mscale = _yarn(inv_freq, scaling, head_dim, theta, max_positions)
+    elif kind != "default":
+        raise ValueError(f"unsupported rope scaling type {kind!r}")
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos() * mscale, emb.sin() * mscale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, head_dim] already gathered by position."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]

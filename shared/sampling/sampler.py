@@ -1,0 +1,173 @@
+"""Batched token sampling: penalties, truncation, drawing, logprobs.
+
+Every function is batch-vectorised over rows of a [B, V] logits tensor and keeps
+tensors on the logits' device. `to_probs` and `draw` are the pieces speculative
+verification reuses: `to_probs` is exactly the distribution `Sampler` draws from.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from shared.sampling.params import SamplingParams
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float | None]  # raw log_softmax of the chosen token; None if not asked
+    top_logprobs: list[list[tuple[int, float]] | None]  # (token_id, logprob), best first
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """A per-request generator, so a seeded request's draws ignore the rest of the batch."""
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _token_counts(seqs: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[R, V] occurrence counts; padding goes to an extra column that is dropped."""
+    width = max((len(s) for s in seqs), default=0)
+    ids = torch.tensor([s + [vocab] * (width - len(s)) for s in seqs], dtype=torch.long)
+    ids = ids.reshape(len(seqs), width).to(device)
+    counts = torch.zeros(len(seqs), vocab + 1, device=device)
+    return counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))[:, :vocab]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
+) -> torch.Tensor:
+    """Repetition (prompt+output) then frequency/presence (output only) penalties.
+
+    Returns a new tensor (the caller keeps raw logits for logprobs); rows without
+    penalties are left untouched and, if no row has any, `logits` itself is returned.
+    """
+    rows = [i for i, p in enumerate(params) if _has_penalties(p)]
+    if not rows:
+        return logits
+    dev, vocab = logits.device, logits.shape[-1]
+    idx = torch.tensor(rows, device=dev)
+
+    def column(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(params[i], name) for i in rows], device=dev)[:, None]
+
+    out_counts = _token_counts([output_ids[i] for i in rows], vocab, dev)
+    x = logits[idx].float()
+    if any(params[i].repetition_penalty != 1.0 for i in rows):
+        seen = (out_counts + _token_counts([prompt_ids[i] for i in rows], vocab, dev)) > 0
+        rep = column("repetition_penalty")
+        # HF/vLLM: shrink towards zero, i.e. divide positive logits, multiply negative ones.
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - column("frequency_penalty") * out_counts
+    x = x - column("presence_penalty") * (out_counts > 0).to(x.dtype)
+    out = logits.clone()
+    out[idx] = x.to(out.dtype)
+    return out
+
+
+def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask (to -inf) tokens outside top_k, then top_p, then min_p, in one sort."""
+    dev, vocab = logits.device, logits.shape[-1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
+    # min_p keeps p >= min_p * p_max, i.e. logit >= max_logit + log(min_p); the ratio is
+    # unchanged by renormalisation after top_k/top_p, so it can be tested on raw logits.
+    log_min_p = [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params]
+    # Stable sort so ties resolve to the lowest token id, matching argmax.
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    drop = torch.arange(vocab, device=dev)[None, :] >= top_k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
+    probs = sorted_logits.softmax(dim=-1)
+    # top_p keeps the shortest prefix reaching mass top_p: drop a token once the mass
+    # before it already does. The top token is never dropped (top_p > 0, min_p <= 1).
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p
+    drop |= sorted_logits < sorted_logits[:, :1] + torch.tensor(log_min_p, device=dev)[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The exact per-row sampling distribution (fp32): temperature, top_k, top_p, min_p.
+
+    Rows with temperature 0 are one-hot on the argmax.
+    """
+    dev = logits.device
+    temps = torch.tensor([p.temperature or 1.0 for p in params], device=dev)[:, None]
+    x = logits.float() / temps
+    if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+        x = _truncate(x, params)
+    probs = x.softmax(dim=-1)
+    if any(p.temperature == 0 for p in params):
+        greedy = torch.tensor([p.temperature == 0 for p in params], device=dev)[:, None]
+        one_hot = torch.zeros_like(probs).scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy, one_hot, probs)
+    return probs
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row from `probs` [B, V] (need not be normalised) -> [B] long.
+
+    Exponential race: argmax(p / E), E ~ Exp(1) i.i.d., picks i with probability p_i.
+    Each seeded row fills its own noise row from its generator; the rest use the global RNG.
+    """
+    noise = torch.empty_like(probs, dtype=torch.float32)
+    if any(g is None for g in generators):
+        noise.exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    # Exp(1) may return exactly 0; 0/0 = NaN would win argmax, so clamp.
+    noise.clamp_min_(torch.finfo(torch.float32).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+class Sampler:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+    ) -> SampleOutput:
+        x = apply_penalties(logits, params, prompt_ids, output_ids)
+        if all(p.greedy for p in params):
+            tokens = x.argmax(dim=-1)  # fast path: no softmax, no RNG
+        else:
+            tokens = draw(to_probs(x, params), generators)
+        token_ids: list[int] = tokens.tolist()
+        out = SampleOutput(token_ids, [None] * len(params), [None] * len(params))
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            self._fill_logprobs(out, logits, tokens, params, want)
+        return out
+
+    @staticmethod
+    def _fill_logprobs(
+        out: SampleOutput,
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        params: list[SamplingParams],
+        want: list[int],
+    ) -> None:
+        # Logprobs are of the raw model distribution (vLLM's default), not the processed one.
+        idx = torch.tensor(want, device=logits.device)
+        lp = torch.log_softmax(logits[idx].float(), dim=-1)
+        chosen = lp.gather(1, tokens[idx, None]).squeeze(1).tolist()
+        k = max(params[i].logprobs or 0 for i in want)
+        top_vals, top_ids = (t.tolist() for t in lp.topk(k, dim=-1))
+        for j, i in enumerate(want):
+            n = params[i].logprobs or 0
+            out.logprobs[i] = chosen[j]
+            out.top_logprobs[i] = list(zip(top_ids[j][:n], top_vals[j][:n], strict=True))

@@ -1,0 +1,147 @@
+"""Tokenizer with the model's chat template, and UTF-8-safe incremental detokenization.
+
+Built on the `tokenizers` library and a sandboxed Jinja environment (what
+Hugging Face chat templates are written for), so services need not import
+transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json stores special tokens as strings or AddedToken dicts."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        template_path = model_dir / "chat_template.jinja"
+        template = (
+            template_path.read_text() if template_path.exists() else config.get("chat_template")
+        )
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals.update(
+            raise_exception=_raise, strftime_now=lambda f: datetime.now().strftime(f)
+        )
+        self._template = env.from_string(template) if template else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        if self._template is None:
+            raise ValueError("this model has no chat template; use the completions API")
+        return self._template.render(
+            messages=messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **template_kwargs,
+        )
+
+    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        # The template already writes any special tokens it wants as text.
+        return self.encode(self.apply_chat_template(messages, **kwargs))
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes a short window of recent tokens and emits only what is new, and
+    holds back text that ends in a partial UTF-8 character (U+FFFD).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_ids or [])[-6:]  # context so the first word spaces right
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def add(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix) :]
+
+
+class TextStream:
+    """Detokenizes a request's output and applies its stop strings.
+
+    Text that could be the start of a stop string is held back until it is
+    clear, so a stop string never reaches the client, streamed or not.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str] | None = None
+    ) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.stop = [s for s in (stop or []) if s]
+        self.text = ""  # everything decoded so far
+        self.sent = 0  # chars of self.text already emitted
+        self.stopped = False
+
+    def push(self, token_ids: list[int]) -> str:
+        """Add tokens; return the text that is now safe to emit."""
+        if self.stopped:
+            return ""
+        self.text += self.detokenizer.add(token_ids)
+        hold = 0
+        if self.stop:
+            window = max(len(s) for s in self.stop)
+            search_from = max(0, self.sent - window)
+            hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+            else:
+                hold = max(
+                    (k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])),
+                    default=0,
+                )
+        return self._emit(len(self.text) - hold)
+
+    def flush(self) -> str:
+        """At the end of generation: emit whatever was held back."""
+        return self._emit(len(self.text))
+
+    def _emit(self, end: int) -> str:
+        delta = self.text[self.sent : end]
+        self.sent = max(self.sent, end)
+        return delta

@@ -1,0 +1,313 @@
+"""Sampling layer: distributions, RNG reproducibility, penalties, logprobs, validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shared.sampling.params import SamplingParams
+from shared.sampling.sampler import (
+    Sampler,
+    apply_penalties,
+    draw,
+    make_generator,
+    to_probs,
+)
+
+P = SamplingParams
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    prompt: list[list[int]] | None = None,
+    output: list[list[int]] | None = None,
+    gens: list[torch.Generator | None] | None = None,
+):
+    n = len(params)
+    return Sampler().sample(
+        logits, params, prompt or [[]] * n, output or [[]] * n, gens or [None] * n
+    )
+
+
+def probs_logits(*p: float) -> torch.Tensor:
+    """A one-row logits tensor whose softmax is exactly `p`."""
+    return torch.tensor([p], dtype=torch.float64).log().float()
+
+
+# --- greedy -----------------------------------------------------------------------------
+
+
+def test_greedy_equals_argmax() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(5, 300)
+    state = torch.get_rng_state()
+    out = sample(logits, [P(temperature=0)] * 5)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs == [None] * 5 and out.top_logprobs == [None] * 5
+    # The all-greedy fast path draws no random numbers.
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_greedy_rows_in_mixed_batch_are_argmax() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(4, 50)
+    params = [P(temperature=0), P(temperature=1.5), P(top_k=1, temperature=2), P()]
+    for _ in range(20):
+        out = sample(logits, params)
+        assert out.token_ids[0] == logits[0].argmax().item()
+        assert out.token_ids[2] == logits[2].argmax().item()
+
+
+def test_top_k_1_equals_greedy() -> None:
+    torch.manual_seed(2)
+    logits = torch.randn(3, 100)
+    greedy = sample(logits, [P(temperature=0)] * 3).token_ids
+    assert sample(logits, [P(top_k=1, temperature=0.7)] * 3).token_ids == greedy
+    # to_probs agrees: top_k=1 is one-hot on the argmax, like temperature 0.
+    expected = torch.nn.functional.one_hot(logits.argmax(-1), 100).float()
+    assert torch.equal(to_probs(logits, [P(top_k=1, temperature=0.7)] * 3), expected)
+    assert torch.equal(to_probs(logits, [P(temperature=0)] * 3), expected)
+
+
+def test_greedy_property() -> None:
+    assert P(temperature=0).greedy and P(top_k=1).greedy
+    assert not P().greedy and not P(top_k=0).greedy and not P(top_k=2).greedy
+
+
+# --- to_probs -------------------------------------------------------------------------
+
+
+def check(logits: torch.Tensor, params: SamplingParams, expected: list[float]) -> None:
+    got, want = to_probs(logits, [params])[0], torch.tensor(expected, dtype=torch.float32)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    # Truncated tokens must be exactly zero, not merely small.
+    assert torch.equal(got == 0, want == 0)
+
+
+def test_temperature_matches_softmax() -> None:
+    torch.manual_seed(3)
+    logits = torch.randn(3, 40)
+    temps = [0.3, 1.0, 1.9]
+    got = to_probs(logits, [P(temperature=t) for t in temps])
+    want = torch.softmax(logits / torch.tensor(temps)[:, None], dim=-1)
+    torch.testing.assert_close(got, want)
+
+
+def test_top_k() -> None:
+    logits = torch.tensor([[1.0, 4.0, 2.0, 3.0]])
+    s = math.exp(4) + math.exp(3)
+    check(logits, P(top_k=2), [0, math.exp(4) / s, 0, math.exp(3) / s])
+    check(logits, P(top_k=-1), torch.softmax(logits, -1)[0].tolist())
+    check(logits, P(top_k=0), torch.softmax(logits, -1)[0].tolist())
+    check(logits, P(top_k=10), torch.softmax(logits, -1)[0].tolist())
+
+
+def test_top_p() -> None:
+    logits = probs_logits(0.1, 0.2, 0.3, 0.4)
+    # Keep the shortest prefix (by descending prob) whose mass reaches top_p.
+    check(logits, P(top_p=0.35), [0, 0, 0, 1])
+    check(logits, P(top_p=0.65), [0, 0, 0.3 / 0.7, 0.4 / 0.7])
+    check(logits, P(top_p=0.75), [0, 0.2 / 0.9, 0.3 / 0.9, 0.4 / 0.9])
+    check(logits, P(top_p=1.0), [0.1, 0.2, 0.3, 0.4])
+
+
+def test_min_p() -> None:
+    logits = probs_logits(0.1, 0.2, 0.3, 0.4)
+    check(logits, P(min_p=0.6), [0, 0, 0.3 / 0.7, 0.4 / 0.7])  # keep p >= 0.24
+    check(logits, P(min_p=0.45), [0, 0.2 / 0.9, 0.3 / 0.9, 0.4 / 0.9])  # keep p >= 0.18
+    check(logits, P(min_p=1.0), [0, 0, 0, 1])
+
+
+def test_top_p_applies_after_top_k() -> None:
+    logits = probs_logits(0.1, 0.2, 0.3, 0.4)
+    # Alone, top_p=0.75 keeps 3 tokens; after top_k=3 renormalises to (2, 3, 4)/9 the mass
+    # before the third token is 7/9 >= 0.75, so only 2 remain.
+    check(logits, P(top_k=3, top_p=0.75), [0, 0, 0.3 / 0.7, 0.4 / 0.7])
+
+
+def test_temperature_before_truncation() -> None:
+    # T=0.5 squares the probabilities: (1, 4, 9, 16)/30, so top_p=0.5 keeps only 16/30.
+    check(probs_logits(0.1, 0.2, 0.3, 0.4), P(temperature=0.5, top_p=0.5), [0, 0, 0, 1])
+    check(probs_logits(0.1, 0.2, 0.3, 0.4), P(temperature=0.5, top_p=0.6), [0, 0, 9 / 25, 16 / 25])
+
+
+def test_mixed_rows_are_independent() -> None:
+    logits = probs_logits(0.1, 0.2, 0.3, 0.4).repeat(4, 1)
+    params = [P(top_k=2), P(top_p=0.65), P(min_p=0.45), P(temperature=0)]
+    got = to_probs(logits, params)
+    for row, p in zip(got, params, strict=True):
+        torch.testing.assert_close(row, to_probs(logits[:1], [p])[0])
+
+
+# --- randomness -----------------------------------------------------------------------
+
+
+def test_seed_reproducible_regardless_of_batch() -> None:
+    torch.manual_seed(4)
+    logits = torch.randn(1, 1000) * 0.1  # nearly flat: a tiny RNG change shows
+
+    def run(batch: int, pos: int, others_seeded: bool, steps: int = 8) -> list[int]:
+        gens = [make_generator(100 + i if others_seeded else None, "cpu") for i in range(batch)]
+        gens[pos] = make_generator(1234, "cpu")
+        params = [P(temperature=1.0, top_p=0.9) for _ in range(batch)]
+        x = logits.repeat(batch, 1)
+        return [sample(x, params, gens=gens).token_ids[pos] for _ in range(steps)]
+
+    ref = run(1, 0, False)
+    assert run(1, 0, False) == ref
+    assert run(5, 3, False) == ref
+    assert run(7, 6, True) == ref
+    gens = [make_generator(4321, "cpu")]
+    other = [sample(logits, [P(top_p=0.9)], gens=gens).token_ids[0] for _ in range(8)]
+    assert other != ref
+
+
+def test_make_generator() -> None:
+    assert make_generator(None, "cpu") is None
+    a, b = make_generator(7, "cpu"), make_generator(7, torch.device("cpu"))
+    assert a is not None and b is not None
+    assert torch.equal(torch.rand(5, generator=a), torch.rand(5, generator=b))
+
+
+def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(tokens, minlength=probs.numel()).double()
+    support = probs > 0
+    assert (counts[~support] == 0).all(), "drew a token with zero probability"
+    expected = probs.double()[support] * tokens.numel()
+    return float(((counts[support] - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_empirical_frequencies_match_to_probs(seeded: bool) -> None:
+    torch.manual_seed(5)
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0, 3.0, -0.5, 0.5]])
+    params = P(temperature=0.8, top_k=6, top_p=0.97)
+    probs = to_probs(logits, [params])[0]
+    assert int((probs > 0).sum()) == 5  # both truncations are active
+    n = 20_000
+    # All rows share one generator in the seeded case: exercises the per-row path.
+    gen = make_generator(99, "cpu")
+    gens = [gen if seeded else None] * n
+    tokens = torch.tensor(sample(logits.repeat(n, 1), [params] * n, gens=gens).token_ids)
+    # 4 degrees of freedom: P(chi2 > 25) ~ 5e-5; the seed is fixed, so this is deterministic.
+    assert chi_square(tokens, probs) < 25
+
+
+def test_draw_handles_unnormalised_weights() -> None:
+    torch.manual_seed(6)
+    weights = torch.tensor([0.0, 3.0, 1.0, 0.0])
+    tokens = draw(weights.repeat(20_000, 1), [None] * 20_000)
+    assert chi_square(tokens, weights / weights.sum()) < 20
+
+
+# --- penalties ------------------------------------------------------------------------
+
+RAW = [2.0, -1.0, 0.5, 3.0, -2.0]
+PROMPT, OUTPUT = [0], [1, 1, 3]
+
+
+def penalised(params: SamplingParams) -> list[float]:
+    logits = torch.tensor([RAW])
+    out = apply_penalties(logits, [params], [PROMPT], [OUTPUT])
+    assert logits.tolist() == [RAW], "input logits must not be modified"
+    return out[0].tolist()
+
+
+def test_repetition_penalty() -> None:
+    # Seen in prompt or output: {0, 1, 3}; positive logits divided, negative multiplied.
+    assert penalised(P(repetition_penalty=2.0)) == [1.0, -2.0, 0.5, 1.5, -2.0]
+    assert penalised(P(repetition_penalty=0.5)) == [4.0, -0.5, 0.5, 6.0, -2.0]
+
+
+def test_frequency_penalty() -> None:
+    # Output counts only: token 1 twice, token 3 once; prompt token 0 untouched.
+    assert penalised(P(frequency_penalty=0.5)) == [2.0, -2.0, 0.5, 2.5, -2.0]
+
+
+def test_presence_penalty() -> None:
+    assert penalised(P(presence_penalty=0.25)) == [2.0, -1.25, 0.5, 2.75, -2.0]
+    assert penalised(P(presence_penalty=-1.0)) == [2.0, 0.0, 0.5, 4.0, -2.0]
+
+
+def test_penalties_combined_and_rows_skipped() -> None:
+    logits = torch.tensor([RAW, RAW])
+    params = [P(), P(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)]
+    out = apply_penalties(logits, params, [PROMPT, PROMPT], [OUTPUT, OUTPUT])
+    assert out[0].tolist() == RAW
+    # Repetition first, then frequency and presence.
+    assert out[1].tolist() == [1.0, -2.0 - 1.0 - 0.25, 0.5, 1.5 - 0.5 - 0.25, -2.0]
+    assert apply_penalties(logits, [P(), P()], [PROMPT] * 2, [OUTPUT] * 2) is logits
+
+
+def test_penalties_change_greedy_choice() -> None:
+    logits = torch.tensor([RAW])
+    assert sample(logits, [P(temperature=0)]).token_ids == [3]
+    # Frequency penalty 2 drops token 3 from 3.0 to 1.0, below token 0's 2.0.
+    out = sample(logits, [P(temperature=0, frequency_penalty=2.0)], [PROMPT], [OUTPUT])
+    assert out.token_ids == [0]
+
+
+# --- logprobs -------------------------------------------------------------------------
+
+
+def test_logprobs_are_raw_log_softmax() -> None:
+    torch.manual_seed(7)
+    logits = torch.randn(3, 64)
+    params = [
+        P(temperature=0.5, top_k=5, repetition_penalty=1.5, logprobs=4),
+        P(logprobs=None),
+        P(temperature=0, logprobs=0),
+    ]
+    gens = [make_generator(1, "cpu"), None, None]
+    out = sample(logits, params, [[1, 2, 3]] * 3, [[4, 5]] * 3, gens)
+    raw = torch.log_softmax(logits, dim=-1)
+    for i in (0, 2):
+        assert out.logprobs[i] == pytest.approx(raw[i, out.token_ids[i]].item(), abs=1e-6)
+    assert out.logprobs[1] is None and out.top_logprobs[1] is None
+    assert out.top_logprobs[2] == []
+    top = out.top_logprobs[0]
+    assert top is not None and len(top) == 4
+    values = [v for _, v in top]
+    assert values == sorted(values, reverse=True)
+    want_v, want_i = raw[0].topk(4)
+    assert [t for t, _ in top] == want_i.tolist()
+    assert values == pytest.approx(want_v.tolist(), abs=1e-6)
+
+
+# --- validation -----------------------------------------------------------------------
+
+
+def test_defaults_and_boundaries_are_valid() -> None:
+    P().validate()
+    P(temperature=0, top_p=1.0, top_k=-1, min_p=1.0, logprobs=20, max_tokens=1).validate()
+    P(temperature=2, frequency_penalty=-2, presence_penalty=2, repetition_penalty=0.1).validate()
+    P(seed=0, logprobs=0, stop_token_ids=[0, 2]).validate()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -0.1),
+        ("temperature", 2.5),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.1),
+        ("top_k", -2),
+        ("min_p", -0.1),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0.0),
+        ("frequency_penalty", 2.1),
+        ("presence_penalty", -2.1),
+        ("logprobs", -1),
+        ("logprobs", 21),
+        ("max_tokens", 0),
+        ("stop_token_ids", [-1]),
+        ("seed", 1.5),
+    ],
+)
+def test_validate_rejects(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        P(**{field: value}).validate()
