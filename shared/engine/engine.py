@@ -56,6 +56,7 @@ class TokenOutput:
 @dataclass
 class EngineStats:
     steps: int = 0
+    computed_tokens: int = 0  # tokens forwarded through the model (prefill and decode)
     generated_tokens: int = 0
     forward_seconds: float = 0.0
 
@@ -143,6 +144,7 @@ class LLMEngine:
         sampled, out = self.runner.step(batch)
         self.stats.forward_seconds += time.perf_counter() - start
         self.stats.steps += 1
+        self.stats.computed_tokens += sum(num for _, num in batch)
         for seq, num in batch:
             computed_before = seq.num_computed_tokens
             seq.num_computed_tokens += num

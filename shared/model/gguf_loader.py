@@ -80,6 +80,7 @@ def load_gguf(
 
 
 def metadata(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    """The value of GGUF metadata field `key`, or `default` when the file lacks it."""
     field = reader.get_field(key)
     return default if field is None else field.contents()
 

@@ -77,15 +77,37 @@ def load_model(
         if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         *prefix, proj, kind = name.split(".")
-        shard, start, rows = 0, 0, tensor.shape[0]
+        shard, start, rows = 0, 0, None
         if proj in fused:
             proj, shard, start, rows = fused[proj]
             name = ".".join([*prefix, proj, kind])
         if name not in params:
             raise ValueError(f"unexpected checkpoint tensor {name!r}")
-        params[name].data[start : start + rows].copy_(tensor)
+        target = params[name].data
+        if rows is not None:
+            target = target[start : start + rows]
+        if tensor.shape != target.shape:
+            # copy_ would broadcast or fill only part of the parameter, silently.
+            raise ValueError(
+                f"checkpoint tensor for {name!r} has shape {tuple(tensor.shape)}, "
+                f"the config implies {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
         loaded[name].add(shard)
-    missing = [n for n in params if len(loaded[n]) != parts_needed[n]]
+    shard_names = {(fused_name, shard): proj for proj, (fused_name, shard, *_) in fused.items()}
+    missing = []
+    for n in params:
+        if len(loaded[n]) == parts_needed[n]:
+            continue
+        *prefix, proj, kind = n.split(".")
+        if parts_needed[n] == 1:
+            missing.append(n)
+        else:  # name the checkpoint projections, not our fused parameter
+            missing += [
+                ".".join([*prefix, shard_names[proj, i], kind])
+                for i in range(parts_needed[n])
+                if i not in loaded[n]
+            ]
     if missing:
         more = " ..." if len(missing) > 5 else ""
         raise ValueError(f"checkpoint lacks weights for {missing[:5]}{more}")

@@ -26,19 +26,34 @@ def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 def _yarn(
     inv_freq: torch.Tensor, s: dict[str, Any], head_dim: int, theta: float, max_pos: int
 ) -> tuple[torch.Tensor, float]:
-    factor = s["factor"]
     old_len = s.get("original_max_position_embeddings") or max_pos
-    beta_fast, beta_slow = s.get("beta_fast", 32), s.get("beta_slow", 1)
+    # DeepSeek-style configs leave factor out and give the ratio of the two lengths.
+    factor = s.get("factor") or max_pos / old_len
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
 
     def dim_for(rotations: float) -> float:
         return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(dim_for(beta_fast)), 0)
-    high = min(math.ceil(dim_for(beta_slow)), head_dim - 1)
-    ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)
+    low, high = dim_for(beta_fast), dim_for(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if high == low:
+        high += 0.001  # avoid a zero-width ramp, as the reference does
+    ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)
     extrapolate = 1 - ramp.clamp(0, 1)
     inv = inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
-    attention_factor = s.get("attention_factor") or 0.1 * math.log(factor) + 1.0
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = s.get("mscale"), s.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
     return inv, attention_factor
 
 

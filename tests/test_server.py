@@ -1,0 +1,129 @@
+"""`specmesh up` as a user runs it: a real process, real HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from shared.tokenizer import Tokenizer
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Give two reasons to learn Rust.",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(smollm_dir: Path) -> Iterator[str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--model", str(smollm_dir)]
+        + ["--port", str(port), "--kv-cache-gb", "0.25"],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, "specmesh up exited during start-up"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "specmesh up did not become healthy in 120 s"
+        time.sleep(0.5)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def chat(url: str, content: str, **extra: object) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": content}], **extra}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+
+
+def test_models_and_health(server: str) -> None:
+    data = httpx.get(f"{server}/v1/models").json()["data"]
+    assert [m["id"] for m in data] == ["SmolLM2-135M-Instruct"]
+
+
+def test_greedy_chat_equals_transformers(server: str, smollm_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
+    tok = Tokenizer(smollm_dir)
+    for prompt in PROMPTS:
+        ids = tok.encode_chat([{"role": "user", "content": prompt}])
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)
+        expected = tok.decode(out[0, len(ids) :].tolist())
+        body = chat(server, prompt, temperature=0, max_tokens=64).json()
+        assert body["choices"][0]["message"]["content"] == expected
+        assert body["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_streaming_equals_non_streaming(server: str) -> None:
+    args = {"temperature": 0, "max_tokens": 40}
+    full = chat(server, PROMPTS[1], **args).json()["choices"][0]["message"]["content"]
+    body = {
+        "messages": [{"role": "user", "content": PROMPTS[1]}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **args,
+    }
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=300) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = [json.loads(e) for e in events[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0]["role"] == "assistant" and deltas[0]["content"]
+    assert "".join(d.get("content", "") for d in deltas) == full
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert sum(f is not None for f in finishes) == 1 and finishes[-1] is not None
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+def test_stop_string_cuts_the_text(server: str) -> None:
+    full = chat(server, PROMPTS[0], temperature=0, max_tokens=30).json()
+    text = full["choices"][0]["message"]["content"]
+    assert "Paris" in text
+    cut = chat(server, PROMPTS[0], temperature=0, max_tokens=30, stop=["Paris"]).json()
+    assert cut["choices"][0]["message"]["content"] == text[: text.index("Paris")]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    ("extra", "status", "param"),
+    [
+        ({"temperature": 3}, 400, None),
+        ({"max_tokens": "many"}, 400, "max_tokens"),
+        ({"model": "no-such-model"}, 404, "model"),
+        ({"max_tokens": 10**7}, 400, None),
+    ],
+)
+def test_bad_requests_get_openai_errors(
+    server: str, extra: dict[str, object], status: int, param: str | None
+) -> None:
+    r = chat(server, "hi", **extra)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    assert httpx.get(f"{server}/health").status_code == 200
