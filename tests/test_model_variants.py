@@ -74,6 +74,7 @@ VARIANTS = {
     "qwen2-bias": Variant("qwen2"),
     "qwen2-bias-tied": Variant("qwen2", {"tie_word_embeddings": True}, shard=True),
     "mistral": Variant("mistral", {"num_hidden_layers": 3}),
+    "llama-attention-and-mlp-bias": Variant("llama", {"attention_bias": True, "mlp_bias": True}),
     "llama-rope-linear": Variant(
         "llama", {"rope_parameters": {"rope_type": "linear", "factor": 4.0}}, position_offset=300
     ),
@@ -208,7 +209,9 @@ def test_matches_transformers_prefill_and_decode(name: str, tmp_path: Path) -> N
     )
     assert cfg.head_dim == hf_head_dim
     assert cfg.tie_word_embeddings == hf_cfg.tie_word_embeddings
-    assert cfg.attention_bias == (variant.family == "qwen2")
+    attention_bias = getattr(hf_cfg, "attention_bias", False) is True
+    assert cfg.qkv_bias == (variant.family == "qwen2" or attention_bias)
+    assert cfg.o_proj_bias == (variant.family != "qwen2" and attention_bias)
     rope_type = hf_cfg.rope_parameters["rope_type"]
     if rope_type != "default":
         default_cos, _ = rope_cos_sin(
@@ -359,10 +362,13 @@ def test_missing_tensor_is_named(key: str, tmp_path: Path) -> None:
     assert key.removeprefix("model.") in str(err.value)
 
 
-def test_tied_embeddings_share_storage(tmp_path: Path) -> None:
+def test_tied_lm_head_uses_the_embedding(tmp_path: Path) -> None:
+    # The checkpoint has no lm_head.weight; the head must take the embedding's values
+    # (storage may or may not be shared: a CPU layout can give the head its own copy).
     _, tied = build_hf(VARIANTS["llama-gqa-tied"], tmp_path / "tied")
+    assert "lm_head.weight" not in load_file(tied / "model.safetensors")
     model = load_model(tied, CPU, torch.float32)
-    assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    assert torch.equal(model.lm_head.weight, model.embed_tokens.weight)
 
     _, untied = build_hf(VARIANTS["llama-gqa-untied"], tmp_path / "untied")
     model = load_model(untied, CPU, torch.float32)

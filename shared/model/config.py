@@ -25,7 +25,9 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    qkv_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
 
@@ -59,8 +61,11 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            # Qwen2 always has q/k/v biases; Llama-family configs say so explicitly.
-            attention_bias=arch == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
+            # Qwen2 always has q/k/v biases and no o_proj bias; Llama's attention_bias
+            # covers all four projections.
+            qkv_bias=arch == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
+            o_proj_bias=arch != "Qwen2ForCausalLM" and cfg.get("attention_bias", False),
+            mlp_bias=cfg.get("mlp_bias", False),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
         )

@@ -38,9 +38,9 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.backend = backend
 
     def forward(
@@ -61,8 +61,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        bias = cfg.mlp_bias
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -115,6 +116,17 @@ class LlamaForCausalLM(nn.Module):
         dtype = self.embed_tokens.weight.dtype
         self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
+
+    def use_column_major_weights(self) -> None:
+        """Store every projection weight column-major (same shape and values).
+
+        On CPU, MKL's small-batch GEMM reads a contiguous [in, out] operand far faster
+        than the transposed view nn.Linear passes (see benchmarks/bench_engine.py).
+        A tied LM head gets its own copy, since the embedding lookup wants rows."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                weight = module.weight.detach().t().contiguous().t()
+                module.weight = nn.Parameter(weight, requires_grad=False)
 
     def forward(
         self,
