@@ -61,6 +61,11 @@ def _context_slots(block_table: list[int], length: int, block_size: int) -> torc
     return slots[:length]
 
 
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] via index_select, which is several times faster than advanced indexing."""
+    return cache.index_select(0, slots.flatten()).view(*slots.shape, *cache.shape[1:])
+
+
 class TorchAttention:
     """Plain-torch paged attention (scaled_dot_product_attention over gathered slots)."""
 
@@ -118,17 +123,19 @@ class TorchAttention:
         out = q.new_empty(num_tokens, num_heads, head_dim)
         if meta.decode_rows is not None:
             # One query per sequence: a KV group's query heads act as `group` query rows.
-            qd = q[meta.decode_rows].view(-1, kv_heads, group, head_dim)
-            kd = k_cache[meta.decode_slots].transpose(1, 2)
-            vd = v_cache[meta.decode_slots].transpose(1, 2)
+            # In a pure decode step every row is a decode row, in order: no gather needed.
+            qd = q[meta.decode_rows] if meta.extends else q
+            qd = qd.view(-1, kv_heads, group, head_dim)
+            kd, vd = (_gather(c, meta.decode_slots).transpose(1, 2) for c in (k_cache, v_cache))
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+            if not meta.extends:
+                return od.reshape(num_tokens, num_heads * head_dim)
             out[meta.decode_rows] = od.reshape(-1, num_heads, head_dim)
         for start, n, slots, mask in meta.extends:
             # Fold the query heads of each KV group into the row dimension (no K/V repeat).
             qe = q[start : start + n].view(n, kv_heads, group, head_dim).permute(1, 2, 0, 3)
             qe = qe.reshape(kv_heads, group * n, head_dim)
-            ke = k_cache[slots].transpose(0, 1)
-            ve = v_cache[slots].transpose(0, 1)
+            ke, ve = (_gather(c, slots).transpose(0, 1) for c in (k_cache, v_cache))
             oe = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=mask.repeat(group, 1))
             oe = oe.view(kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
             out[start : start + n] = oe.reshape(n, num_heads, head_dim)
