@@ -1,0 +1,68 @@
+"""The background-thread driver the server uses: streaming, concurrency, abort."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shared.engine.async_engine import AsyncEngine
+from shared.engine.engine import EngineConfig, LLMEngine
+from shared.sampling.params import SamplingParams
+
+PROMPTS = [[1, 9690, 198, 30] + [100 + i] * (i + 1) for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def engine(smollm_dir: Path) -> Iterator[AsyncEngine]:
+    driver = AsyncEngine(LLMEngine(EngineConfig(model=str(smollm_dir), kv_cache_gb=0.1)))
+    yield driver
+    driver.shutdown()
+
+
+async def collect(engine: AsyncEngine, rid: str, ids: list[int], n: int) -> list[int]:
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return [out.token_id async for out in engine.generate(rid, ids, params)]
+
+
+def test_concurrent_streams_match_offline_generation(engine: AsyncEngine) -> None:
+    async def main() -> list[list[int]]:
+        tasks = [collect(engine, f"c{i}", ids, 6 + 2 * i) for i, ids in enumerate(PROMPTS)]
+        return await asyncio.gather(*tasks)
+
+    streamed = asyncio.run(main())
+    offline = [
+        engine.engine.generate([ids], SamplingParams(temperature=0, max_tokens=6 + 2 * i))[0]
+        for i, ids in enumerate(PROMPTS)
+    ]
+    assert streamed == offline
+
+
+def test_leaving_a_stream_early_aborts_and_frees_blocks(engine: AsyncEngine) -> None:
+    free = engine.engine.block_manager.num_free
+
+    async def main() -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+        stream = engine.generate("leaver", PROMPTS[0], params)
+        async for _ in stream:
+            break  # like a client that disconnects after the first token
+        await stream.aclose()
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 10
+    while engine.engine.has_work() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.engine.has_work()
+    assert engine.engine.block_manager.num_free == free
+
+
+def test_invalid_request_raises_before_streaming(engine: AsyncEngine) -> None:
+    async def main() -> None:
+        await collect(engine, "bad", [], 4)
+
+    with pytest.raises(ValueError, match="empty"):
+        asyncio.run(main())
+    assert asyncio.run(collect(engine, "after-bad", PROMPTS[1], 3))  # still serving
