@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from shared.config import add_dataclass_args, dataclass_from_args
 from shared.engine.engine import EngineConfig
@@ -16,11 +17,9 @@ def _up(args: argparse.Namespace) -> None:
     from services.gateway.app import build_app
     from shared.engine.async_engine import AsyncEngine
     from shared.engine.engine import LLMEngine
-    from shared.model.fetch import fetch_default_model
     from shared.tokenizer import Tokenizer
 
-    if args.model is None:
-        args.model = str(fetch_default_model())
+    args.model = str(_model_dir(args.model))
     cfg = dataclass_from_args(EngineConfig, args)
     engine = AsyncEngine(LLMEngine(cfg))
     name = args.served_model_name or cfg.model.rstrip("/").rsplit("/", 1)[-1]
@@ -30,6 +29,20 @@ def _up(args: argparse.Namespace) -> None:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
         engine.shutdown()
+
+
+def _model_dir(model: str | None) -> Path:
+    """The HF directory to serve: the default model (fetched on first use), a GGUF file
+    converted once into the cache (serving needs its tokenizer files), or `model` itself."""
+    from shared.config import cache_dir
+    from shared.model.fetch import convert_gguf, fetch_default_model, is_complete
+
+    if model is None:
+        return fetch_default_model()
+    if not model.endswith(".gguf"):
+        return Path(model)
+    dest = cache_dir() / "models" / Path(model).stem
+    return dest if is_complete(dest) else convert_gguf(model, dest, progress=True)
 
 
 def _fetch_model(args: argparse.Namespace) -> None:
