@@ -25,5 +25,5 @@ class KVCache:
     def blocks_for_memory(
         cfg: ModelConfig, memory_bytes: int, block_size: int, dtype: torch.dtype
     ) -> int:
-        per_block = cfg.kv_bytes_per_token * block_size * dtype.itemsize
+        per_block = cfg.kv_elements_per_token * block_size * dtype.itemsize
         return max(1, memory_bytes // per_block)

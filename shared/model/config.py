@@ -75,6 +75,6 @@ class ModelConfig:
         return cls.from_hf(json.loads(Path(path).read_text()))
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """KV bytes per token per element byte (multiply by dtype size)."""
+    def kv_elements_per_token(self) -> int:
+        """K and V elements one token occupies across all layers (times dtype size = bytes)."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim
