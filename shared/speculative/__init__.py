@@ -1,0 +1,1 @@
+"""Speculative decoding: draft trees, drafters and their verification rules."""

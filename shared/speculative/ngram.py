@@ -1,0 +1,140 @@
+"""NGRAM drafting: no draft model, a trie of the n-grams seen so far.
+
+Each request has a trie over its prompt and output; a bounded trie shared by
+all requests remembers n-grams of finished ones. To draft, the longest suffix
+of the context found in a trie selects a node, and its continuations are
+expanded into a tree: level by level with a breadth that narrows with depth
+(BFS; most recent continuations first), or best-first by the product of
+continuation frequencies (PROB).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Literal
+
+from shared.speculative.tree import DraftTree
+
+
+@dataclass
+class _Node:
+    children: dict[int, _Node] = field(default_factory=dict)
+    count: int = 0  # times this n-gram was seen
+    last_seen: int = 0  # insertion clock when last seen (recency for BFS)
+
+
+class NgramTrie:
+    def __init__(self, max_depth: int) -> None:
+        self.max_depth = max_depth
+        self.root = _Node()
+        self.clock = itertools.count(1)
+        self.num_nodes = 0
+
+    def add(self, tokens: list[int], new: int) -> None:
+        """Record the n-grams ending at the last `new` positions of `tokens`."""
+        for end in range(len(tokens) - new + 1, len(tokens) + 1):
+            start = max(0, end - self.max_depth)
+            for s in range(start, end):
+                node = self.root
+                for token in tokens[s:end]:
+                    child = node.children.get(token)
+                    if child is None:
+                        child = node.children[token] = _Node()
+                        self.num_nodes += 1
+                    node = child
+                node.count += 1
+                node.last_seen = next(self.clock)
+
+    def match(self, context: list[int]) -> _Node | None:
+        """The node of the longest suffix of `context` that has continuations."""
+        for length in range(min(self.max_depth - 1, len(context)), 0, -1):
+            node: _Node | None = self.root
+            for token in context[-length:]:
+                node = node.children.get(token) if node else None
+            if node is not None and node.children:
+                return node
+        return None
+
+
+@dataclass
+class NgramConfig:
+    num_draft_tokens: int = 8  # tree nodes besides the root
+    max_trie_depth: int = 8
+    min_bfs_breadth: int = 1
+    max_bfs_breadth: int = 8
+    match_type: Literal["BFS", "PROB"] = "BFS"
+    capacity: int = 1_000_000  # nodes in the shared trie before it is reset
+
+
+class NgramDrafter:
+    def __init__(self, cfg: NgramConfig) -> None:
+        self.cfg = cfg
+        self.shared = NgramTrie(cfg.max_trie_depth)
+        self.requests: dict[str, tuple[NgramTrie, list[int]]] = {}
+
+    def open(self, request_id: str, prompt_ids: list[int]) -> None:
+        trie = NgramTrie(self.cfg.max_trie_depth)
+        tokens = list(prompt_ids)
+        trie.add(tokens, len(tokens))
+        self.requests[request_id] = (trie, tokens)
+
+    def close(self, request_id: str) -> None:
+        """Forget the request, keeping its n-grams in the shared trie."""
+        _, tokens = self.requests.pop(request_id)
+        if self.shared.num_nodes > self.cfg.capacity:
+            self.shared = NgramTrie(self.cfg.max_trie_depth)
+        self.shared.add(tokens, len(tokens))
+
+    def propose(self, request_id: str, accepted: list[int]) -> DraftTree:
+        """Extend the request by its newly accepted tokens and draft from its last one."""
+        trie, tokens = self.requests[request_id]
+        tokens.extend(accepted)
+        trie.add(tokens, len(accepted))
+        node = trie.match(tokens) or self.shared.match(tokens)
+        tree = DraftTree([tokens[-1]], [-1])
+        if node is not None:
+            expand = self._expand_prob if self.cfg.match_type == "PROB" else self._expand_bfs
+            expand(node, tree)
+        return tree
+
+    def _expand_bfs(self, start: _Node, tree: DraftTree) -> None:
+        cfg = self.cfg
+        level = [(start, 0)]  # (trie node, tree index)
+        for depth in range(cfg.max_trie_depth):
+            # Breadth narrows linearly from max to min over the trie depth.
+            span = max(cfg.max_trie_depth - 1, 1)
+            breadth = round(
+                cfg.max_bfs_breadth - (cfg.max_bfs_breadth - cfg.min_bfs_breadth) * depth / span
+            )
+            next_level = []
+            for node, index in level:
+                ranked = sorted(node.children.items(), key=lambda kv: -kv[1].last_seen)
+                for token, child in ranked[: max(breadth, 1)]:
+                    if len(tree) > cfg.num_draft_tokens:
+                        return
+                    tree.tokens.append(token)
+                    tree.parents.append(index)
+                    next_level.append((child, len(tree) - 1))
+            if not next_level:
+                return
+            level = next_level
+
+    def _expand_prob(self, start: _Node, tree: DraftTree) -> None:
+        # Best-first by path probability; a step's probability is its share of the counts.
+        order = itertools.count()  # tie-breaker so the heap never compares nodes
+        heap: list[tuple[float, int, int, _Node, int]] = []
+
+        def push_children(node: _Node, index: int, path_p: float) -> None:
+            total = sum(c.count for c in node.children.values())
+            for token, child in node.children.items():
+                p = path_p * child.count / total
+                heapq.heappush(heap, (-p, next(order), token, child, index))
+
+        push_children(start, 0, 1.0)
+        while heap and len(tree) <= self.cfg.num_draft_tokens:
+            neg_p, _, token, node, parent = heapq.heappop(heap)
+            tree.tokens.append(token)
+            tree.parents.append(parent)
+            push_children(node, len(tree) - 1, -neg_p)
