@@ -37,7 +37,7 @@ def _error(status: int, message: str, type_: str, param: str | None = None) -> J
     return JSONResponse(body, status_code=status)
 
 
-def _sampling_params(req: ChatCompletionRequest, tokenizer: Tokenizer) -> SamplingParams:
+def _sampling_params(req: ChatCompletionRequest) -> SamplingParams:
     if req.n != 1:
         raise APIError(400, "only n=1 is supported", param="n")
     if req.top_logprobs is not None and not req.logprobs:
@@ -99,7 +99,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str) -> Fas
     async def chat(req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
         if req.model not in (None, "", model_name):
             raise APIError(404, f"model {req.model!r} not found", "not_found_error", "model")
-        params = _sampling_params(req, tokenizer)
+        params = _sampling_params(req)
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
         try:
             prompt_ids = tokenizer.encode_chat(messages, **(req.chat_template_kwargs or {}))

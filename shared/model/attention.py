@@ -120,7 +120,7 @@ class TorchAttention:
         num_tokens, num_heads, head_dim = q.shape
         kv_heads = k.shape[1]
         group = num_heads // kv_heads
-        out = q.new_empty(num_tokens, num_heads, head_dim)
+        od = None
         if meta.decode_rows is not None:
             # One query per sequence: a KV group's query heads act as `group` query rows.
             # In a pure decode step every row is a decode row, in order: no gather needed.
@@ -130,6 +130,8 @@ class TorchAttention:
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
             if not meta.extends:
                 return od.reshape(num_tokens, num_heads * head_dim)
+        out = q.new_empty(num_tokens, num_heads, head_dim)
+        if od is not None:
             out[meta.decode_rows] = od.reshape(-1, num_heads, head_dim)
         for start, n, slots, mask in meta.extends:
             # Fold the query heads of each KV group into the row dimension (no K/V repeat).

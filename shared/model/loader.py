@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,20 +39,24 @@ def _read_checkpoint(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch
     return ModelConfig.from_file(path / "config.json"), _safetensors_tensors(path)
 
 
-def _fused_slices(cfg: ModelConfig) -> dict[str, tuple[str, int, int, int]]:
-    """Checkpoint projection name -> (fused parameter, shard index, row offset, rows)."""
-    q, kv, ffn = (
-        cfg.num_heads * cfg.head_dim,
-        cfg.num_kv_heads * cfg.head_dim,
-        cfg.intermediate_size,
-    )
+def _fused_slices(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """Checkpoint projection name -> (our fused parameter, row offset, rows)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    ffn = cfg.intermediate_size
     return {
-        "q_proj": ("qkv_proj", 0, 0, q),
-        "k_proj": ("qkv_proj", 1, q, kv),
-        "v_proj": ("qkv_proj", 2, q + kv, kv),
-        "gate_proj": ("gate_up_proj", 0, 0, ffn),
-        "up_proj": ("gate_up_proj", 1, ffn, ffn),
+        "q_proj": ("qkv_proj", 0, q),
+        "k_proj": ("qkv_proj", q, kv),
+        "v_proj": ("qkv_proj", q + kv, kv),
+        "gate_proj": ("gate_up_proj", 0, ffn),
+        "up_proj": ("gate_up_proj", ffn, ffn),
     }
+
+
+def _checkpoint_names(param: str, fused: dict[str, tuple[str, int, int]]) -> list[str]:
+    """The checkpoint tensors that fill one of our parameters."""
+    *prefix, module, kind = param.split(".")
+    parts = [proj for proj, (target, *_) in fused.items() if target == module]
+    return [".".join([*prefix, proj, kind]) for proj in parts] or [param]
 
 
 def load_model(
@@ -68,46 +71,30 @@ def load_model(
     model.materialize(device, dtype)
     params = dict(model.named_parameters())
     fused = _fused_slices(cfg)
-    parts_needed = {
-        n: max(1, sum(n.split(".")[-2] == f for f, *_ in fused.values())) for n in params
-    }
-    loaded: dict[str, set[int]] = defaultdict(set)
+    seen: set[str] = set()
     for name, tensor in tensors:
         name = name.removeprefix("model.")
         if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         *prefix, proj, kind = name.split(".")
-        shard, start, rows = 0, 0, None
+        param, rows = name, None
         if proj in fused:
-            proj, shard, start, rows = fused[proj]
-            name = ".".join([*prefix, proj, kind])
-        if name not in params:
+            module, start, rows = fused[proj]
+            param = ".".join([*prefix, module, kind])
+        if param not in params:
             raise ValueError(f"unexpected checkpoint tensor {name!r}")
-        target = params[name].data
+        target = params[param].data
         if rows is not None:
             target = target[start : start + rows]
         if tensor.shape != target.shape:
             # copy_ would broadcast or fill only part of the parameter, silently.
             raise ValueError(
-                f"checkpoint tensor for {name!r} has shape {tuple(tensor.shape)}, "
+                f"checkpoint tensor for {param!r} has shape {tuple(tensor.shape)}, "
                 f"the config implies {tuple(target.shape)}"
             )
         target.copy_(tensor)
-        loaded[name].add(shard)
-    shard_names = {(fused_name, shard): proj for proj, (fused_name, shard, *_) in fused.items()}
-    missing = []
-    for n in params:
-        if len(loaded[n]) == parts_needed[n]:
-            continue
-        *prefix, proj, kind = n.split(".")
-        if parts_needed[n] == 1:
-            missing.append(n)
-        else:  # name the checkpoint projections, not our fused parameter
-            missing += [
-                ".".join([*prefix, shard_names[proj, i], kind])
-                for i in range(parts_needed[n])
-                if i not in loaded[n]
-            ]
+        seen.add(name)
+    missing = [c for n in params for c in _checkpoint_names(n, fused) if c not in seen]
     if missing:
         more = " ..." if len(missing) > 5 else ""
         raise ValueError(f"checkpoint lacks weights for {missing[:5]}{more}")
