@@ -9,6 +9,7 @@ from pathlib import Path
 
 from shared.config import add_dataclass_args, dataclass_from_args
 from shared.engine.engine import EngineConfig
+from shared.speculative.config import SpeculativeConfig
 
 
 def _up(args: argparse.Namespace) -> None:
@@ -19,9 +20,10 @@ def _up(args: argparse.Namespace) -> None:
     from shared.engine.engine import LLMEngine
     from shared.tokenizer import Tokenizer
 
+    spec = dataclass_from_args(SpeculativeConfig, args).resolved()  # fail before loading
     args.model = str(_model_dir(args.model))
     cfg = dataclass_from_args(EngineConfig, args)
-    engine = AsyncEngine(LLMEngine(cfg))
+    engine = AsyncEngine(LLMEngine(cfg, spec))
     name = args.served_model_name or cfg.model.rstrip("/").rsplit("/", 1)[-1]
     app = build_app(engine, Tokenizer(cfg.model), name)
     print(f"specmesh serving {name} at http://{args.host}:{args.port}/v1", flush=True)
@@ -63,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--served-model-name", default=None, help="model id in the API")
     add_dataclass_args(up, EngineConfig)
+    add_dataclass_args(up, SpeculativeConfig)
     up.set_defaults(run=_up)
 
     fetch = commands.add_parser("fetch-model", help="fetch and convert the default model")
@@ -71,7 +74,10 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parser.parse_args(argv)
-    args.run(args)
+    try:
+        args.run(args)
+    except ValueError as exc:  # a bad option combination: say so, no traceback
+        parser.exit(2, f"specmesh {args.command}: error: {exc}\n")
 
 
 if __name__ == "__main__":

@@ -63,6 +63,11 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 T = TypeVar("T")
 
 
+def option(default: Any, help: str) -> Any:
+    """A config dataclass field that is also a command-line option with this help."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
     """Expose each field of a config dataclass as `--field-name`, with its help text,
     default, and a matching environment variable `SPECMESH_FIELD_NAME`."""

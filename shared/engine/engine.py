@@ -4,40 +4,38 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from shared.config import resolve_device, resolve_dtype
+from shared.config import option, resolve_device, resolve_dtype
 from shared.engine.model_runner import ModelRunner
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Sequence
+from shared.engine.speculation import Speculator
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.kv_cache import KVCache
 from shared.model.loader import load_model
 from shared.sampling.params import SamplingParams
 from shared.sampling.sampler import make_generator
-
-
-def _opt(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+from shared.speculative.config import SpeculativeConfig
+from shared.speculative.drafter import make_drafter
 
 
 @dataclass
 class EngineConfig:
     """Engine settings; each field is also a command-line option (see shared.config)."""
 
-    model: str = _opt(None, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    device: str | None = _opt(None, "cpu, cuda, cuda:N (default: cuda when available)")
-    dtype: str | None = _opt(None, "float32, bfloat16, float16 (default: fp32 on CPU, bf16 on GPU)")
-    block_size: int = _opt(16, "tokens per KV-cache block")
-    kv_cache_gb: float = _opt(1.0, "memory for the KV cache, GiB")
-    max_num_seqs: int = _opt(64, "most sequences running at once")
-    max_num_batched_tokens: int = _opt(512, "token budget of one step (chunked prefill)")
-    max_model_len: int | None = _opt(
+    model: str = option(None, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    device: str | None = option(None, "cpu, cuda, cuda:N (default: cuda when available)")
+    dtype: str | None = option(None, "float32, bfloat16, float16 (default: fp32 CPU, bf16 GPU)")
+    block_size: int = option(16, "tokens per KV-cache block")
+    kv_cache_gb: float = option(1.0, "memory for the KV cache, GiB")
+    max_num_seqs: int = option(64, "most sequences running at once")
+    max_num_batched_tokens: int = option(512, "token budget of one step (chunked prefill)")
+    max_model_len: int | None = option(
         None, "context limit (default: the model's, capped by the cache)"
     )
-    attention_backend: str = _opt("torch", "attention implementation")
+    attention_backend: str = option("torch", "attention implementation")
 
 
 @dataclass
@@ -58,7 +56,7 @@ class EngineStats:
     steps: int = 0
     computed_tokens: int = 0  # tokens forwarded through the model (prefill and decode)
     generated_tokens: int = 0
-    forward_seconds: float = 0.0
+    step_seconds: float = 0.0
 
 
 def _generation_eos(model_dir: Path) -> set[int]:
@@ -70,7 +68,7 @@ def _generation_eos(model_dir: Path) -> set[int]:
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, spec: SpeculativeConfig | None = None) -> None:
         self.cfg = cfg
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
@@ -91,6 +89,11 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache)
+        self.speculator: Speculator | None = None
+        if spec is not None and spec.enabled:
+            spec = spec.resolved()
+            drafter = make_drafter(spec, device, dtype, mcfg.vocab_size)
+            self.speculator = Speculator(spec, drafter, self.kv_cache, self.block_manager)
         self.sequences: dict[str, Sequence] = {}
         self.stats = EngineStats()
 
@@ -117,12 +120,14 @@ class LLMEngine:
         )
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
+        if self.speculator:
+            self.speculator.open(seq)
 
     def abort(self, request_id: str) -> bool:
-        seq = self.sequences.pop(request_id, None)
+        seq = self.sequences.get(request_id)
         if seq is None:
             return False
-        self.scheduler.remove(seq)
+        self._finish(seq)
         return True
 
     def has_work(self) -> bool:
@@ -141,35 +146,57 @@ class LLMEngine:
         if not batch:
             return []
         start = time.perf_counter()
-        sampled, out = self.runner.step(batch)
-        self.stats.forward_seconds += time.perf_counter() - start
+        trees = self.speculator.draft(batch) if self.speculator else {}
+        sampled, out, tree_logits = self.runner.step(batch, trees)
         self.stats.steps += 1
-        self.stats.computed_tokens += sum(num for _, num in batch)
+        self.stats.computed_tokens += sum(len(trees[s]) if s in trees else n for s, n in batch)
         for seq, num in batch:
-            computed_before = seq.num_computed_tokens
-            seq.num_computed_tokens += num
-            self.block_manager.seal(seq, computed_before)
+            if seq not in trees:
+                computed_before = seq.num_computed_tokens
+                seq.num_computed_tokens += num
+                self.block_manager.seal(seq, computed_before)
         outputs = []
         for i, seq in enumerate(sampled):
-            token = out.token_ids[i]
+            outputs += self._emit(seq, [out.token_ids[i]], out.logprobs[i], out.top_logprobs[i])
+        for seq, logits in tree_logits.items():
+            outputs += self._emit(seq, self.speculator.verify(seq, trees[seq], logits))
+        self.stats.step_seconds += time.perf_counter() - start
+        self.stats.generated_tokens += len(outputs)
+        return outputs
+
+    def _emit(
+        self,
+        seq: Sequence,
+        tokens: list[int],
+        logprob: float | None = None,
+        top_logprobs: list[tuple[int, float]] | None = None,
+    ) -> list[TokenOutput]:
+        """Append new tokens to `seq` up to the first that finishes it."""
+        outputs = []
+        for token in tokens:
             seq.token_ids.append(token)
             reason = self._finish_reason(seq, token)
             outputs.append(
                 TokenOutput(
                     seq.request_id,
                     token,
-                    out.logprobs[i],
-                    out.top_logprobs[i],
+                    logprob,
+                    top_logprobs,
                     reason,
                     seq.num_prompt_tokens,
                     seq.num_reused_tokens,
                 )
             )
             if reason is not None:
-                self.sequences.pop(seq.request_id, None)
-                self.scheduler.remove(seq)
-        self.stats.generated_tokens += len(sampled)
+                self._finish(seq)
+                break
         return outputs
+
+    def _finish(self, seq: Sequence) -> None:
+        self.sequences.pop(seq.request_id, None)
+        self.scheduler.remove(seq)
+        if self.speculator:
+            self.speculator.close(seq)
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]

@@ -9,6 +9,7 @@ from shared.kvcache.kv_cache import KVCache
 from shared.model.attention import SequenceSpan
 from shared.model.llama import LlamaForCausalLM
 from shared.sampling.sampler import SampleOutput, Sampler
+from shared.speculative.tree import DraftTree
 
 
 class ModelRunner:
@@ -39,25 +40,41 @@ class ModelRunner:
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows]), aux
 
-    def step(self, batch: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SampleOutput]:
+    def step(
+        self, batch: list[tuple[Sequence, int]], trees: dict[Sequence, DraftTree]
+    ) -> tuple[list[Sequence], SampleOutput, dict[Sequence, torch.Tensor]]:
         """Compute `num` more tokens of each sequence; sample for those that reach their end.
+        A sequence with a draft tree instead forwards the tree (root = its last token).
 
-        Returns the sequences that got a new token and the sampled tokens."""
-        spans, input_ids, positions, logit_rows, sampled = [], [], [], [], []
+        Returns the sequences that got a sampled token, those tokens, and the logits at
+        every node of each tree."""
+        spans, input_ids, positions, sample_rows, tree_rows = [], [], [], [], []
+        sampled: list[Sequence] = []
         for seq, num in batch:
             start = seq.num_computed_tokens
+            tree = trees.get(seq)
+            if tree is not None:  # every node at its own depth, seeing only its ancestors
+                spans.append(SequenceSpan(seq.block_table, start, len(tree), tree.ancestor_mask()))
+                tree_rows += range(len(input_ids), len(input_ids) + len(tree))
+                input_ids += tree.tokens
+                positions += [start + depth for depth in tree.depths()]
+                continue
             spans.append(SequenceSpan(seq.block_table, start, num))
             input_ids += seq.token_ids[start : start + num]
             positions += range(start, start + num)
             if start + num == len(seq):
-                logit_rows.append(len(input_ids) - 1)
+                sample_rows.append(len(input_ids) - 1)
                 sampled.append(seq)
-        logits, _ = self.forward(spans, input_ids, positions, logit_rows)
+        logits, _ = self.forward(spans, input_ids, positions, sample_rows + tree_rows)
+        tree_logits, row = {}, len(sample_rows)
+        for seq, tree in trees.items():
+            tree_logits[seq] = logits[row : row + len(tree)]
+            row += len(tree)
         out = self.sampler.sample(
-            logits,
+            logits[: len(sample_rows)],
             [s.params for s in sampled],
             [s.prompt_ids for s in sampled],
             [s.output_ids for s in sampled],
             [s.generator for s in sampled],
         )
-        return sampled, out
+        return sampled, out, tree_logits

@@ -27,3 +27,11 @@ class KVCache:
     ) -> int:
         per_block = cfg.kv_elements_per_token * block_size * dtype.itemsize
         return max(1, memory_bytes // per_block)
+
+    def copy_tokens(self, block_table: list[int], src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of token positions `src` to positions `dst` of one sequence, all layers
+        at once (commits an accepted draft path to the cache positions it now occupies)."""
+        bs = self.block_size
+        slots = [[block_table[i // bs] * bs + i % bs for i in pos] for pos in (src, dst)]
+        src_t, dst_t = (torch.tensor(s, device=self.storage.device) for s in slots)
+        self.storage[:, :, dst_t] = self.storage[:, :, src_t]

@@ -29,7 +29,7 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def _has_penalties(p: SamplingParams) -> bool:
+def has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
@@ -53,7 +53,7 @@ def apply_penalties(
     Returns a new tensor (the caller keeps raw logits for logprobs); rows without
     penalties are left untouched and, if no row has any, `logits` itself is returned.
     """
-    rows = [i for i, p in enumerate(params) if _has_penalties(p)]
+    rows = [i for i, p in enumerate(params) if has_penalties(p)]
     if not rows:
         return logits
     dev, vocab = logits.device, logits.shape[-1]

@@ -13,8 +13,9 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Literal
 
+from shared.speculative.config import SpeculativeConfig
+from shared.speculative.drafter import DraftRequest
 from shared.speculative.tree import DraftTree
 
 
@@ -58,24 +59,15 @@ class NgramTrie:
         return None
 
 
-@dataclass
-class NgramConfig:
-    num_draft_tokens: int = 8  # tree nodes besides the root
-    max_trie_depth: int = 8
-    min_bfs_breadth: int = 1
-    max_bfs_breadth: int = 8
-    match_type: Literal["BFS", "PROB"] = "BFS"
-    capacity: int = 1_000_000  # nodes in the shared trie before it is reset
-
-
 class NgramDrafter:
-    def __init__(self, cfg: NgramConfig) -> None:
+    def __init__(self, cfg: SpeculativeConfig) -> None:
         self.cfg = cfg
-        self.shared = NgramTrie(cfg.max_trie_depth)
+        self.depth = cfg.speculative_ngram_max_trie_depth
+        self.shared = NgramTrie(self.depth)
         self.requests: dict[str, tuple[NgramTrie, list[int]]] = {}
 
     def open(self, request_id: str, prompt_ids: list[int]) -> None:
-        trie = NgramTrie(self.cfg.max_trie_depth)
+        trie = NgramTrie(self.depth)
         tokens = list(prompt_ids)
         trie.add(tokens, len(tokens))
         self.requests[request_id] = (trie, tokens)
@@ -83,36 +75,38 @@ class NgramDrafter:
     def close(self, request_id: str) -> None:
         """Forget the request, keeping its n-grams in the shared trie."""
         _, tokens = self.requests.pop(request_id)
-        if self.shared.num_nodes > self.cfg.capacity:
-            self.shared = NgramTrie(self.cfg.max_trie_depth)
+        if self.shared.num_nodes > self.cfg.speculative_ngram_capacity:
+            self.shared = NgramTrie(self.depth)
         self.shared.add(tokens, len(tokens))
 
-    def propose(self, request_id: str, accepted: list[int]) -> DraftTree:
-        """Extend the request by its newly accepted tokens and draft from its last one."""
-        trie, tokens = self.requests[request_id]
-        tokens.extend(accepted)
-        trie.add(tokens, len(accepted))
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        return [self._propose(r) for r in requests]
+
+    def _propose(self, request: DraftRequest) -> DraftTree:
+        trie, tokens = self.requests[request.request_id]
+        tokens.extend(request.new_tokens)
+        trie.add(tokens, len(request.new_tokens))
         node = trie.match(tokens) or self.shared.match(tokens)
         tree = DraftTree([tokens[-1]], [-1])
-        if node is not None:
-            expand = self._expand_prob if self.cfg.match_type == "PROB" else self._expand_bfs
-            expand(node, tree)
+        if node is not None and request.max_drafts > 0:
+            if self.cfg.speculative_ngram_match_type == "PROB":
+                self._expand_prob(node, tree, request.max_drafts)
+            else:
+                self._expand_bfs(node, tree, request.max_drafts)
         return tree
 
-    def _expand_bfs(self, start: _Node, tree: DraftTree) -> None:
-        cfg = self.cfg
+    def _expand_bfs(self, start: _Node, tree: DraftTree, budget: int) -> None:
+        widest = self.cfg.speculative_ngram_max_bfs_breadth
+        narrowest = self.cfg.speculative_ngram_min_bfs_breadth
         level = [(start, 0)]  # (trie node, tree index)
-        for depth in range(cfg.max_trie_depth):
-            # Breadth narrows linearly from max to min over the trie depth.
-            span = max(cfg.max_trie_depth - 1, 1)
-            breadth = round(
-                cfg.max_bfs_breadth - (cfg.max_bfs_breadth - cfg.min_bfs_breadth) * depth / span
-            )
+        for depth in range(self.depth):
+            # Breadth narrows linearly from the widest to the narrowest over the depth.
+            breadth = round(widest - (widest - narrowest) * depth / max(self.depth - 1, 1))
             next_level = []
             for node, index in level:
                 ranked = sorted(node.children.items(), key=lambda kv: -kv[1].last_seen)
                 for token, child in ranked[: max(breadth, 1)]:
-                    if len(tree) > cfg.num_draft_tokens:
+                    if len(tree) > budget:
                         return
                     tree.tokens.append(token)
                     tree.parents.append(index)
@@ -121,7 +115,7 @@ class NgramDrafter:
                 return
             level = next_level
 
-    def _expand_prob(self, start: _Node, tree: DraftTree) -> None:
+    def _expand_prob(self, start: _Node, tree: DraftTree, budget: int) -> None:
         # Best-first by path probability; a step's probability is its share of the counts.
         order = itertools.count()  # tie-breaker so the heap never compares nodes
         heap: list[tuple[float, int, int, _Node, int]] = []
@@ -133,7 +127,7 @@ class NgramDrafter:
                 heapq.heappush(heap, (-p, next(order), token, child, index))
 
         push_children(start, 0, 1.0)
-        while heap and len(tree) <= self.cfg.num_draft_tokens:
+        while heap and len(tree) <= budget:
             neg_p, _, token, node, parent = heapq.heappop(heap)
             tree.tokens.append(token)
             tree.parents.append(parent)

@@ -1,4 +1,4 @@
-"""A draft tree and the greedy rule that accepts a path of it.
+"""A draft tree: what a drafter proposes and the target verifies in one pass.
 
 Node 0 is the root: the last accepted token, whose K/V is not cached yet. Every
 other node is a drafted token with a parent earlier in the list, so a tree can
@@ -37,25 +37,14 @@ class DraftTree:
         return depth
 
     def ancestor_mask(self) -> torch.Tensor:
-        """[n, n] bool: node i attends to node j iff j is i or one of its ancestors."""
-        mask = torch.eye(len(self), dtype=torch.bool)
-        for i in range(1, len(self)):
-            mask[i] |= mask[self.parents[i]]
-        return mask
+        return ancestor_mask(self.parents)
 
 
-def accept_greedy(tree: DraftTree, target_tokens: list[int]) -> tuple[list[int], list[int]]:
-    """`target_tokens[i]` is the target's greedy choice after node i.
-
-    Follows, from the root, the child whose token equals the target's choice.
-    Returns (accepted node indices including the root, emitted tokens: the accepted
-    drafts followed by the target's bonus token). Lossless by construction: every
-    emitted token is the target's own greedy choice."""
-    children: dict[int, dict[int, int]] = {}
-    for i in range(1, len(tree)):
-        children.setdefault(tree.parents[i], {}).setdefault(tree.tokens[i], i)
-    path, node = [0], 0
-    while (child := children.get(node, {}).get(target_tokens[node])) is not None:
-        path.append(child)
-        node = child
-    return path, [tree.tokens[i] for i in path[1:]] + [target_tokens[node]]
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """[n, n] bool: node i attends to node j iff j is i or one of its ancestors.
+    `parents[i]` is -1 for a node whose parent is outside the list (already cached)."""
+    mask = torch.eye(len(parents), dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            mask[i] |= mask[parent]
+    return mask

@@ -1,0 +1,137 @@
+"""Speculative decoding inside the engine: draft before a step, verify after it.
+
+For each decoding sequence the drafter proposes a tree rooted at the sequence's
+last token; the model runner forwards root and drafts in the same batch as
+everything else, with an ancestor mask; here the accepted path is chosen, its
+K/V moved to the cache positions the path now occupies, and the rest left to
+be overwritten. Sequences whose sampling needs per-token history (penalties)
+or logprobs decode without drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.sequence import Sequence
+from shared.kvcache.block_manager import BlockManager
+from shared.kvcache.kv_cache import KVCache
+from shared.sampling.params import SamplingParams
+from shared.sampling.sampler import has_penalties, to_probs
+from shared.speculative.accept import accept_greedy, accept_sampling
+from shared.speculative.config import SpeculativeConfig
+from shared.speculative.drafter import Drafter, DraftRequest
+from shared.speculative.tree import DraftTree
+
+
+@dataclass
+class SpecStats:
+    steps: int = 0  # verification steps
+    draft_tokens: int = 0  # draft nodes verified
+    accepted_tokens: int = 0  # draft tokens accepted
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per verification step (accepted drafts + the bonus token)."""
+        return 1.0 + self.accepted_tokens / self.steps if self.steps else 0.0
+
+    def add(self, drafts: int, accepted: int) -> None:
+        self.steps += 1
+        self.draft_tokens += drafts
+        self.accepted_tokens += accepted
+
+
+@dataclass
+class _RequestState:
+    num_synced: int  # tokens the drafter has seen
+    budget: int  # draft nodes allowed next step
+    accepted_ema: float  # recent accepted drafts per step
+    stats: SpecStats
+
+
+def speculable(params: SamplingParams) -> bool:
+    return params.logprobs is None and not has_penalties(params)
+
+
+class Speculator:
+    def __init__(
+        self,
+        cfg: SpeculativeConfig,
+        drafter: Drafter,
+        kv_cache: KVCache,
+        block_manager: BlockManager,
+    ) -> None:
+        self.cfg = cfg
+        self.drafter = drafter
+        self.kv_cache = kv_cache
+        self.block_manager = block_manager
+        self.max_drafts = cfg.speculative_num_draft_tokens - 1
+        self.requests: dict[str, _RequestState] = {}
+        self.stats = SpecStats()
+
+    def open(self, seq: Sequence) -> None:
+        if speculable(seq.params):
+            self.drafter.open(seq.request_id, seq.token_ids)
+            budget = self.max_drafts
+            self.requests[seq.request_id] = _RequestState(len(seq), budget, budget / 2, SpecStats())
+
+    def close(self, seq: Sequence) -> SpecStats | None:
+        state = self.requests.pop(seq.request_id, None)
+        if state is None:
+            return None
+        self.drafter.close(seq.request_id)
+        return state.stats
+
+    def draft(self, batch: list[tuple[Sequence, int]]) -> dict[Sequence, DraftTree]:
+        """Draft trees for the sequences of `batch` that decode this step."""
+        seqs, requests = [], []
+        for seq, _ in batch:
+            state = self.requests.get(seq.request_id)
+            if state is None or seq.num_uncomputed != 1:
+                continue
+            # Drafts past max_tokens would be thrown away: the bonus token is free.
+            left = seq.params.max_tokens - (len(seq) - seq.num_prompt_tokens) - 1
+            budget = min(state.budget, left)
+            if not self.block_manager.can_grow(seq, budget):
+                budget = 0
+            requests.append(DraftRequest(seq.request_id, seq.token_ids[state.num_synced :], budget))
+            state.num_synced = len(seq)
+            seqs.append(seq)
+        trees = {}
+        for seq, tree in zip(seqs, self.drafter.propose(requests) if requests else [], strict=True):
+            if len(tree) > 1:
+                self.block_manager.ensure_capacity(seq, len(tree) - 1)
+                trees[seq] = tree
+        return trees
+
+    def verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> list[int]:
+        """Accept a path of `tree` given the target's logits at its nodes; commit the
+        path's K/V. Returns the tokens to emit (accepted drafts, then the bonus token)."""
+        params = seq.params
+        if params.greedy:
+            path, emitted = accept_greedy(tree, logits.argmax(dim=-1).tolist())
+        else:
+            path, emitted = accept_sampling(
+                tree,
+                to_probs(logits, [params] * len(tree)),
+                seq.generator,
+                self.cfg.speculative_accept_threshold_single,
+                self.cfg.speculative_accept_threshold_acc,
+            )
+        start = seq.num_computed_tokens
+        moved = [(start + node, start + i) for i, node in enumerate(path) if node != i]
+        if moved:
+            src, dst = zip(*moved, strict=True)
+            self.kv_cache.copy_tokens(seq.block_table, list(src), list(dst))
+        seq.num_computed_tokens = start + len(path)
+        self.block_manager.seal(seq, start)
+        state = self.requests[seq.request_id]
+        accepted = len(path) - 1
+        state.stats.add(len(tree) - 1, accepted)
+        self.stats.add(len(tree) - 1, accepted)
+        if self.cfg.speculative_adaptive:
+            # Spend drafts where they pay: about twice what was recently accepted.
+            state.accepted_ema = 0.6 * state.accepted_ema + 0.4 * accepted
+            state.budget = max(1, min(self.max_drafts, round(2 * state.accepted_ema) + 1))
+        return emitted

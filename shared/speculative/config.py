@@ -1,0 +1,91 @@
+"""Speculative decoding options, named and meant as SGLang's server arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.config import option
+
+ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Each field is also a command-line option (`--speculative-...`)."""
+
+    speculative_algorithm: str | None = option(None, f"one of {', '.join(ALGORITHMS)}; unset: off")
+    speculative_draft_model_path: str | None = option(None, "draft LM (STANDALONE) or head (EAGLE)")
+    speculative_num_steps: int | None = option(None, "draft depth (unset: chosen automatically)")
+    speculative_eagle_topk: int | None = option(None, "branching per draft step (1 = chain)")
+    speculative_num_draft_tokens: int | None = option(
+        None, "tokens verified per step, root included (topk=1: num_steps+1)"
+    )
+    speculative_accept_threshold_single: float = option(
+        1.0, "accept a draft whose target probability reaches this (1 = exact sampling)"
+    )
+    speculative_accept_threshold_acc: float = option(
+        1.0, "accept a draft with probability min(1, p / this) (1 = exact sampling)"
+    )
+    speculative_token_map: str | None = option(None, "FR-Spec reduced draft vocabulary (token ids)")
+    speculative_ngram_min_bfs_breadth: int = option(1, "NGRAM: branching at the deepest level")
+    speculative_ngram_max_bfs_breadth: int = option(8, "NGRAM: branching at the first level")
+    speculative_ngram_match_type: str = option("BFS", "NGRAM: BFS (recency) or PROB (frequency)")
+    speculative_ngram_max_trie_depth: int = option(12, "NGRAM: longest n-gram remembered")
+    speculative_ngram_capacity: int = option(1_000_000, "NGRAM: shared-trie nodes before reset")
+    speculative_adaptive: bool = option(True, "adapt each request's draft budget to its acceptance")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_algorithm is not None
+
+    def resolved(self) -> SpeculativeConfig:
+        """Validate, and fill the tree shape options SGLang lets users leave unset."""
+        algo = self.speculative_algorithm
+        if algo is None:
+            return self
+        algo = algo.upper()
+        if algo not in ALGORITHMS:
+            raise ValueError(f"--speculative-algorithm must be one of {ALGORITHMS}, got {algo!r}")
+        if algo != "NGRAM" and not self.speculative_draft_model_path:
+            raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path")
+        if algo == "NGRAM" and self.speculative_draft_model_path:
+            raise ValueError("NGRAM drafts from the context; it takes no draft model")
+        if self.speculative_ngram_match_type.upper() not in ("BFS", "PROB"):
+            raise ValueError("--speculative-ngram-match-type must be BFS or PROB")
+        for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"--{name.replace('_', '-')} must be in (0, 1]")
+        steps, topk, tokens = (
+            self.speculative_num_steps,
+            self.speculative_eagle_topk,
+            self.speculative_num_draft_tokens,
+        )
+        if steps is None and topk is None and tokens is None:
+            # Verification is not flat on CPU, so the defaults stay small; NGRAM trees are
+            # cheap to build and wider.
+            steps, topk, tokens = (11, 1, 12) if algo == "NGRAM" else (4, 1, 5)
+        elif None in (steps, topk, tokens):
+            steps = steps or 4
+            topk = topk or 1
+            tokens = tokens or (steps + 1 if topk == 1 else min(steps * topk, 16) + 1)
+        if steps < 1 or topk < 1 or tokens < 2:
+            raise ValueError("speculative num_steps and topk must be >= 1, num_draft_tokens >= 2")
+        if topk == 1 and algo != "NGRAM" and tokens != steps + 1:
+            raise ValueError(
+                f"with --speculative-eagle-topk 1, --speculative-num-draft-tokens must be "
+                f"num_steps + 1 = {steps + 1}, got {tokens}"
+            )
+        if tokens > steps * topk + 1 and algo != "NGRAM":
+            raise ValueError(
+                f"--speculative-num-draft-tokens {tokens} exceeds what {steps} steps of "
+                f"topk {topk} can draft ({steps * topk + 1})"
+            )
+        values = {**self.__dict__}
+        values.update(
+            speculative_algorithm=algo,
+            speculative_num_steps=steps,
+            speculative_eagle_topk=topk,
+            speculative_num_draft_tokens=tokens,
+            speculative_ngram_match_type=self.speculative_ngram_match_type.upper(),
+        )
+        return SpeculativeConfig(**values)

@@ -1,0 +1,48 @@
+"""The drafter interface every algorithm implements, and the factory that picks one.
+
+A drafter keeps per-request state. Each decode step the engine tells it which
+tokens were accepted since the last step and how many draft nodes it may spend,
+and gets back one draft tree per request, rooted at the request's last token.
+The calls are batched so that a drafter in another process costs one message
+per step, and a model-based drafter can run one forward for all requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from shared.speculative.config import SpeculativeConfig
+from shared.speculative.tree import DraftTree
+
+
+@dataclass
+class DraftRequest:
+    request_id: str
+    new_tokens: list[int]  # accepted since the last call (the last one is the tree's root)
+    max_drafts: int  # draft nodes allowed, root excluded
+
+
+class Drafter(Protocol):
+    def open(self, request_id: str, prompt_ids: list[int]) -> None: ...
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]: ...
+
+    def close(self, request_id: str) -> None: ...
+
+
+def make_drafter(
+    cfg: SpeculativeConfig, device: torch.device, dtype: torch.dtype, target_vocab_size: int
+) -> Drafter:
+    algo = cfg.speculative_algorithm
+    if algo == "NGRAM":
+        from shared.speculative.ngram import NgramDrafter
+
+        return NgramDrafter(cfg)
+    if algo == "STANDALONE":
+        from shared.speculative.standalone import DraftModelDrafter
+
+        return DraftModelDrafter(cfg, device, dtype, target_vocab_size)
+    raise ValueError(f"--speculative-algorithm {algo} is not available yet (NGRAM, STANDALONE are)")

@@ -1,0 +1,160 @@
+"""STANDALONE drafting: a smaller LM with the target's tokenizer and its own paged KV.
+
+Per request the draft keeps K/V for every accepted token. A proposal first
+catches up on the newly accepted tokens, then runs `num_steps` expansion steps
+(EAGLE-2 style): each step scores the top-k continuations of every frontier
+node by cumulative log-probability and keeps the `topk` best as the next
+frontier. Finally the best `max_drafts` nodes of all those scored form the
+tree (scores fall along every path, so the choice keeps each node's parent).
+With topk = 1 this is plain chain drafting. All requests share each forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.engine.model_runner import ModelRunner
+from shared.engine.sequence import Sequence
+from shared.kvcache.block_manager import BlockManager
+from shared.kvcache.kv_cache import KVCache
+from shared.model.attention import SequenceSpan
+from shared.model.loader import load_model
+from shared.sampling.params import SamplingParams
+from shared.speculative.config import SpeculativeConfig
+from shared.speculative.drafter import DraftRequest
+from shared.speculative.tree import DraftTree, ancestor_mask
+
+_DRAFT_PARAMS = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class _Draft:
+    """One request's draft during a proposal. Node 0 is the root."""
+
+    seq: Sequence
+    budget: int
+    tokens: list[int]
+    parents: list[int] = field(default_factory=lambda: [-1])
+    scores: list[float] = field(default_factory=lambda: [0.0])
+    depths: list[int] = field(default_factory=lambda: [0])
+    expanded: list[int] = field(default_factory=list)  # non-root nodes fed to the model
+    frontier: list[int] = field(default_factory=lambda: [0])
+
+    def tree(self) -> DraftTree:
+        best = sorted(range(1, len(self.tokens)), key=lambda i: (-self.scores[i], i))
+        keep = sorted(best[: self.budget])
+        index = {0: 0, **{node: i + 1 for i, node in enumerate(keep)}}
+        return DraftTree(
+            [self.tokens[0]] + [self.tokens[i] for i in keep],
+            [-1] + [index[self.parents[i]] for i in keep],
+        )
+
+
+class DraftModelDrafter:
+    def __init__(
+        self,
+        cfg: SpeculativeConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        target_vocab_size: int,
+        kv_cache_gb: float = 0.25,
+        block_size: int = 16,
+    ) -> None:
+        model = load_model(cfg.speculative_draft_model_path, device, dtype)
+        if model.config.vocab_size > target_vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({model.config.vocab_size}) is larger than the "
+                f"target's ({target_vocab_size}); STANDALONE needs the target's tokenizer"
+            )
+        num_blocks = KVCache.blocks_for_memory(
+            model.config, int(kv_cache_gb * 2**30), block_size, dtype
+        )
+        self.runner = ModelRunner(
+            model, KVCache(model.config, num_blocks, block_size, device, dtype)
+        )
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.num_steps = cfg.speculative_num_steps
+        self.topk = cfg.speculative_eagle_topk
+        self.seqs: dict[str, Sequence] = {}
+
+    def open(self, request_id: str, prompt_ids: list[int]) -> None:
+        self.seqs[request_id] = Sequence(request_id, list(prompt_ids), _DRAFT_PARAMS)
+
+    def close(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id)
+        if seq.block_table:
+            self.blocks.free(seq)
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        drafts: list[_Draft | None] = []
+        for r in requests:
+            seq = self.seqs[r.request_id]
+            seq.token_ids.extend(r.new_tokens)
+            drafts.append(self._prepare(seq, r.max_drafts))
+        active = [d for d in drafts if d is not None]
+        steps = max((min(self.num_steps, d.budget) for d in active), default=0)
+        for step in range(steps):
+            self._expand(active, catch_up=step == 0)
+        return [
+            d.tree() if d is not None else DraftTree([self.seqs[r.request_id].token_ids[-1]], [-1])
+            for d, r in zip(drafts, requests, strict=True)
+        ]
+
+    def _prepare(self, seq: Sequence, budget: int) -> _Draft | None:
+        """Make room for the new tokens and the nodes to expand; None: no draft this step."""
+        if budget < 1:
+            return None
+        extra = self.num_steps * self.topk
+        if not seq.block_table:
+            if not self.blocks.can_allocate(seq, reserve=extra):
+                return None
+            self.blocks.allocate(seq)
+        if not self.blocks.can_grow(seq, extra):
+            return None
+        self.blocks.ensure_capacity(seq, extra)
+        return _Draft(seq, budget, [seq.token_ids[-1]])
+
+    def _expand(self, drafts: list[_Draft], catch_up: bool) -> None:
+        spans, ids, positions, rows = [], [], [], []
+        for d in drafts:
+            seq = d.seq
+            if catch_up:  # the accepted tokens the draft has not seen, ending at the root
+                start, new = seq.num_computed_tokens, seq.token_ids[seq.num_computed_tokens :]
+                spans.append(SequenceSpan(seq.block_table, start, len(new)))
+                positions += range(start, start + len(new))
+            else:  # every expanded node, each seeing its ancestors
+                new = [d.tokens[i] for i in d.expanded]
+                local = {0: -1, **{node: j for j, node in enumerate(d.expanded)}}
+                mask = ancestor_mask([local[d.parents[i]] for i in d.expanded])
+                spans.append(SequenceSpan(seq.block_table, len(seq), len(new), mask))
+                positions += [len(seq) - 1 + d.depths[i] for i in d.expanded]
+            offset = len(ids)
+            ids += new
+            rows += (
+                [offset + len(new) - 1]
+                if catch_up
+                else [offset + d.expanded.index(f) for f in d.frontier]
+            )
+        logits, _ = self.runner.forward(spans, ids, positions, rows)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        top_lp, top_ids = logprobs.topk(self.topk, dim=-1)
+        row = 0
+        for d in drafts:
+            if catch_up:
+                before = d.seq.num_computed_tokens
+                d.seq.num_computed_tokens = len(d.seq)
+                self.blocks.seal(d.seq, before)
+            candidates = []
+            for f in d.frontier:
+                for lp, token in zip(top_lp[row].tolist(), top_ids[row].tolist(), strict=True):
+                    d.tokens.append(token)
+                    d.parents.append(f)
+                    d.scores.append(d.scores[f] + lp)
+                    d.depths.append(d.depths[f] + 1)
+                    candidates.append(len(d.tokens) - 1)
+                row += 1
+            candidates.sort(key=lambda i: -d.scores[i])
+            d.frontier = candidates[: self.topk]
+            d.expanded += d.frontier
