@@ -5,8 +5,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.speculative.ngram import NgramConfig, NgramDrafter, NgramTrie
-from shared.speculative.tree import DraftTree, accept_greedy
+from shared.speculative.accept import accept_greedy
+from shared.speculative.config import SpeculativeConfig
+from shared.speculative.drafter import DraftRequest
+from shared.speculative.ngram import NgramDrafter, NgramTrie
+from shared.speculative.tree import DraftTree
+
+
+def ngram(depth: int, breadth: int = 8, match: str = "BFS") -> NgramDrafter:
+    cfg = SpeculativeConfig(
+        "NGRAM",
+        speculative_ngram_max_trie_depth=depth,
+        speculative_ngram_max_bfs_breadth=breadth,
+        speculative_ngram_match_type=match,
+    )
+    return NgramDrafter(cfg.resolved())
+
+
+def propose(drafter: NgramDrafter, request_id: str, new: list[int], budget: int) -> DraftTree:
+    return drafter.propose([DraftRequest(request_id, new, budget)])[0]
 
 
 def test_tree_mask_and_depths() -> None:
@@ -45,32 +62,32 @@ def test_trie_matches_longest_suffix() -> None:
 
 
 def test_bfs_drafts_a_repeated_span() -> None:
-    drafter = NgramDrafter(NgramConfig(num_draft_tokens=4, max_trie_depth=6, max_bfs_breadth=1))
+    drafter = ngram(depth=6, breadth=1)
     text = [10, 11, 12, 13, 14, 15, 16]
     drafter.open("r", text + [99] + text[:2])
-    tree = drafter.propose("r", [])
+    tree = propose(drafter, "r", [], 4)
     assert tree.tokens == [11, 12, 13, 14, 15] and tree.parents == [-1, 0, 1, 2, 3]
 
 
 def test_bfs_branches_prefer_recent_and_respect_budget() -> None:
-    drafter = NgramDrafter(NgramConfig(num_draft_tokens=6, max_trie_depth=3, max_bfs_breadth=2))
+    drafter = ngram(depth=3, breadth=2)
     drafter.open("r", [1, 2, 1, 3, 1, 4, 1])
-    tree = drafter.propose("r", [])
+    tree = propose(drafter, "r", [], 6)
     assert len(tree) - 1 <= 6
     first_level = [t for t, p in zip(tree.tokens, tree.parents, strict=True) if p == 0]
     assert first_level == [4, 3]  # most recent continuation of `1` first
 
 
 def test_prob_prefers_frequent_continuations() -> None:
-    cfg = NgramConfig(num_draft_tokens=1, max_trie_depth=3, match_type="PROB")
-    drafter = NgramDrafter(cfg)
+    drafter = ngram(depth=3, match="PROB")
     drafter.open("r", [5, 7, 5, 7, 5, 7, 5, 8, 5])
-    assert drafter.propose("r", []).tokens == [5, 7]
+    assert propose(drafter, "r", [], 1).tokens == [5, 7]
 
 
 def test_shared_trie_drafts_for_a_new_request() -> None:
-    drafter = NgramDrafter(NgramConfig(num_draft_tokens=3, max_trie_depth=5))
+    drafter = ngram(depth=5)
     drafter.open("a", [40, 41, 42, 43, 44])
     drafter.close("a")
     drafter.open("b", [7, 40])
-    assert drafter.propose("b", [41]).tokens == [41, 42, 43, 44]
+    assert propose(drafter, "b", [41], 3).tokens == [41, 42, 43, 44]
+    assert propose(drafter, "b", [42], 0).tokens == [42]  # no budget: the root alone

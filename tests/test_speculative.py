@@ -1,0 +1,258 @@
+"""Speculative decoding in the engine: lossless greedy, the oracle draft, exact sampling."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.engine.engine import EngineConfig, LLMEngine
+from shared.sampling.params import SamplingParams
+from shared.speculative.accept import accept_sampling
+from shared.speculative.config import SpeculativeConfig
+from shared.speculative.tree import DraftTree
+from shared.tokenizer import Tokenizer
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Repeat this sentence twice: the quick brown fox jumps over the lazy dog.",
+    "Rewrite with snake_case names:\ndef getValue(myInput):\n    myResult = myInput * 2\n"
+    "    return myResult",
+    "Correct the grammar: she go to school every days and play with her freinds.",
+    "Continue the list: apples, bananas, cherries, dates,",
+    "Write a haiku about the sea.",
+    "Explain recursion in one sentence.",
+    "List the days of the week.",
+    "Count from one to ten in words.",
+    "Translate 'thank you very much' into French.",
+    "What does HTTP stand for?",
+    "Give three synonyms for happy.",
+    "Write a Python function that returns the square of a number.",
+    "Summarise: The cat sat on the mat. The cat was happy. The mat was red.",
+    "Name the planets of the solar system in order.",
+    "Say hello in five languages.",
+    "What is 12 times 12?",
+    "Describe a rainbow in two sentences.",
+    "Fix the typo: teh weather is nice todya.",
+    "Write the alphabet in capital letters.",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
+
+
+def tiny_llama(path: Path, vocab: int, seed: int, hidden: int = 32, layers: int = 1) -> str:
+    """A small random Llama saved as an HF checkpoint (a draft model, or a tiny target)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)  # peaky enough that drafts are sometimes right
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm_dir: Path) -> list[list[int]]:
+    tok = Tokenizer(smollm_dir)
+    return [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm_dir: Path, prompt_ids: list[list[int]]) -> list[list[int]]:
+    plain = LLMEngine(EngineConfig(model=str(smollm_dir), kv_cache_gb=0.25))
+    return [plain.generate([ids], GREEDY)[0] for ids in prompt_ids]
+
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return tiny_llama(tmp_path_factory.mktemp("draft"), vocab=49152, seed=0)
+
+
+def spec_engine(model: Path | str, **spec: object) -> LLMEngine:
+    cfg = SpeculativeConfig(**spec)  # type: ignore[arg-type]
+    return LLMEngine(EngineConfig(model=str(model), kv_cache_gb=0.25), cfg)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"speculative_algorithm": "NGRAM"},
+        {"speculative_algorithm": "NGRAM", "speculative_ngram_match_type": "PROB"},
+        {"speculative_algorithm": "STANDALONE"},
+        {
+            "speculative_algorithm": "STANDALONE",
+            "speculative_num_steps": 3,
+            "speculative_eagle_topk": 2,
+            "speculative_num_draft_tokens": 6,
+        },
+    ],
+    ids=["ngram-bfs", "ngram-prob", "standalone-chain", "standalone-tree"],
+)
+def test_greedy_speculation_is_lossless(
+    spec: dict[str, object],
+    smollm_dir: Path,
+    random_draft: str,
+    prompt_ids: list[list[int]],
+    reference: list[list[int]],
+) -> None:
+    if spec["speculative_algorithm"] == "STANDALONE":
+        spec = {**spec, "speculative_draft_model_path": random_draft}
+    engine = spec_engine(smollm_dir, **spec)
+    alone = [engine.generate([ids], GREEDY)[0] for ids in prompt_ids]
+    assert alone == reference
+    for i in range(0, len(prompt_ids), 8):
+        assert engine.generate(prompt_ids[i : i + 8], GREEDY) == reference[i : i + 8]
+    stats = engine.speculator.stats
+    assert stats.steps > 0 and stats.draft_tokens > 0
+    assert engine.block_manager.num_free == engine.kv_cache.num_blocks  # nothing leaked
+
+
+def test_target_as_its_own_draft_accepts_everything(
+    smollm_dir: Path, prompt_ids: list[list[int]], reference: list[list[int]]
+) -> None:
+    engine = spec_engine(
+        smollm_dir,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=str(smollm_dir),
+        speculative_num_steps=4,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=5,
+        speculative_adaptive=False,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=41, ignore_eos=True)
+    outputs = [engine.generate([ids], params)[0] for ids in prompt_ids[:3]]
+    stats = engine.speculator.stats
+    assert stats.accepted_tokens == stats.draft_tokens
+    # 1 prefill token, then 8 verification steps of 4 drafts + 1 bonus token each.
+    assert stats.steps == 3 * 8 and stats.acceptance_length == 5.0
+    # The reference stopped at EOS; ignore_eos only lets the oracle run on past it.
+    assert [o[: len(r)] for o, r in zip(outputs, reference, strict=False)] == reference[:3]
+
+
+def exact_joint(model_dir: str, prompt: list[int], steps: int) -> dict[tuple[int, ...], float]:
+    """The target's exact probability of every continuation of `steps` tokens (temperature 1)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    dist = {(): 1.0}
+    for _ in range(steps):
+        seqs = list(dist)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + list(s) for s in seqs])).logits[:, -1]
+        probs = logits.softmax(-1)
+        dist = {
+            (*s, t): dist[s] * probs[i, t].item()
+            for i, s in enumerate(seqs)
+            for t in range(probs.shape[1])
+        }
+    return dist
+
+
+def chi_square(counts: Counter, probs: dict, n: int) -> tuple[float, int]:
+    """Pearson statistic over cells with expected count >= 5 (the rest pooled)."""
+    stat, pooled_obs, pooled_exp, cells = 0.0, 0, 0.0, 0
+    for cell, p in probs.items():
+        expected = p * n
+        if expected >= 5:
+            stat += (counts[cell] - expected) ** 2 / expected
+            cells += 1
+        else:
+            pooled_obs += counts[cell]
+            pooled_exp += expected
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        cells += 1
+    return stat, cells - 1
+
+
+def test_speculative_sampling_matches_the_target_distribution(tmp_path: Path) -> None:
+    target = tiny_llama(tmp_path / "target", vocab=6, seed=1, hidden=32, layers=2)
+    draft = tiny_llama(tmp_path / "draft", vocab=6, seed=2, hidden=32, layers=1)
+    prompt, n = [1, 4, 2], 3000
+    engine = spec_engine(
+        target,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=draft,
+        speculative_num_steps=2,
+        speculative_eagle_topk=2,
+        speculative_num_draft_tokens=4,
+    )
+    params = [SamplingParams(temperature=1.0, max_tokens=3, seed=i) for i in range(n)]
+    samples: list[tuple[int, ...]] = []
+    for i in range(0, n, 250):
+        samples += [tuple(o) for o in engine.generate([prompt] * 250, params[i : i + 250])]
+    assert engine.speculator.stats.accepted_tokens > 0  # speculation really happened
+    stat, dof = chi_square(Counter(samples), exact_joint(target, prompt, 3), n)
+    # 99.9th percentile of chi-square is below dof + 4.5 sqrt(2 dof) for these sizes.
+    assert stat < dof + 4.5 * (2 * dof) ** 0.5, (stat, dof)
+
+
+def _wrong_accept(tree: DraftTree, probs: torch.Tensor, gen: torch.Generator) -> list[int]:
+    """A plausible mistake: on rejection, draw the bonus from p without removing the draft."""
+    node, out = 0, []
+    children = [i for i in range(1, len(tree)) if tree.parents[i] == node]
+    for child in children:
+        if torch.rand((), generator=gen).item() < probs[node, tree.tokens[child]].item():
+            return [tree.tokens[child]]
+    out.append(int(torch.multinomial(probs[node], 1, generator=gen).item()))
+    return out
+
+
+def test_acceptance_rule_is_exact_and_a_wrong_rule_is_caught() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25] * 4, [0.25] * 4])
+    tree = DraftTree([9, 0, 1], [-1, 0, 0])  # two competing drafts for the first token
+    target = {(t,): probs[0, t].item() for t in range(4)}
+    gen = torch.Generator().manual_seed(0)
+    right = Counter(tuple(accept_sampling(tree, probs, gen)[1][:1]) for _ in range(8000))
+    wrong = Counter(tuple(_wrong_accept(tree, probs, gen)) for _ in range(8000))
+    ok, dof = chi_square(right, target, 8000)
+    bad, _ = chi_square(wrong, target, 8000)
+    assert ok < dof + 4.5 * (2 * dof) ** 0.5
+    assert bad > 10 * (dof + 4.5 * (2 * dof) ** 0.5)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"speculative_algorithm": "MEDUSA"}, "must be one of"),
+        ({"speculative_algorithm": "STANDALONE"}, "needs --speculative-draft-model-path"),
+        (
+            {
+                "speculative_algorithm": "STANDALONE",
+                "speculative_draft_model_path": "x",
+                "speculative_num_steps": 3,
+                "speculative_eagle_topk": 1,
+                "speculative_num_draft_tokens": 8,
+            },
+            "num_steps \\+ 1",
+        ),
+        (
+            {"speculative_algorithm": "NGRAM", "speculative_accept_threshold_acc": 0.0},
+            "threshold",
+        ),
+    ],
+)
+def test_invalid_option_combinations_fail_clearly(spec: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig(**spec).resolved()  # type: ignore[arg-type]
+
+
+def test_unset_tree_options_are_chosen_automatically() -> None:
+    cfg = SpeculativeConfig("STANDALONE", "draft").resolved()
+    assert cfg.speculative_num_draft_tokens == cfg.speculative_num_steps + 1
+    assert cfg.speculative_eagle_topk == 1
