@@ -32,10 +32,20 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(smollm_dir: Path) -> Iterator[str]:
+    yield from run_server(smollm_dir)
+
+
+@pytest.fixture(scope="module")
+def ngram_server(smollm_dir: Path) -> Iterator[str]:
+    yield from run_server(smollm_dir, "--speculative-algorithm", "NGRAM")
+
+
+def run_server(model: Path, *extra: str) -> Iterator[str]:
+    """`specmesh up` in a subprocess on a free port, until the caller is done with it."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--model", str(smollm_dir)]
-        + ["--port", str(port), "--kv-cache-gb", "0.25"],
+        [sys.executable, "-m", "services.cli", "up", "--model", str(model)]
+        + ["--port", str(port), "--kv-cache-gb", "0.25", *extra],
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     url = f"http://127.0.0.1:{port}"
@@ -127,3 +137,30 @@ def test_bad_requests_get_openai_errors(
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param
     assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_server_info_reports_engine_state(server: str) -> None:
+    state = httpx.get(f"{server}/get_server_info").json()["internal_states"][0]
+    assert state["kv_blocks_total"] >= state["kv_blocks_free"] > 0
+    assert state["generated_tokens"] > 0
+
+
+def test_ngram_speculation_over_http_is_lossless(server: str, ngram_server: str) -> None:
+    prompt = "Repeat exactly: red green blue, red green blue, red green blue."
+    for stream in (False, True):
+        args = {"temperature": 0, "max_tokens": 48}
+        plain = chat(server, prompt, **args).json()["choices"][0]["message"]["content"]
+        if stream:
+            body = {"messages": [{"role": "user", "content": prompt}], "stream": True, **args}
+            with httpx.stream(
+                "POST", f"{ngram_server}/v1/chat/completions", json=body, timeout=300
+            ) as r:
+                events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: {")]
+            deltas = [json.loads(e)["choices"][0]["delta"] for e in events]
+            spec = "".join(d.get("content", "") for d in deltas)
+        else:
+            spec = chat(ngram_server, prompt, **args).json()["choices"][0]["message"]["content"]
+        assert spec == plain
+    state = httpx.get(f"{ngram_server}/get_server_info").json()["internal_states"][0]
+    assert state["speculative_algorithm"] == "NGRAM"
+    assert state["avg_spec_accept_length"] > 1.0

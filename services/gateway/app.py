@@ -90,6 +90,28 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str) -> Fas
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        """Engine state in SGLang's shape (bench_serving reads avg_spec_accept_length)."""
+        llm = engine.engine
+        state: dict[str, Any] = {
+            "steps": llm.stats.steps,
+            "generated_tokens": llm.stats.generated_tokens,
+            "kv_blocks_free": llm.block_manager.num_free,
+            "kv_blocks_total": llm.kv_cache.num_blocks,
+            "prefix_reused_tokens": llm.block_manager.reused_tokens,
+        }
+        if llm.speculator is not None:
+            spec = llm.speculator.stats
+            state.update(
+                speculative_algorithm=llm.speculator.cfg.speculative_algorithm,
+                avg_spec_accept_length=spec.acceptance_length,
+                spec_verify_steps=spec.steps,
+                spec_draft_tokens=spec.draft_tokens,
+                spec_accepted_tokens=spec.accepted_tokens,
+            )
+        return {"model_path": llm.cfg.model, "internal_states": [state]}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "specmesh"}
