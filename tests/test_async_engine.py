@@ -28,14 +28,16 @@ async def collect(engine: AsyncEngine, rid: str, ids: list[int], n: int) -> list
     return [out.token_id async for out in engine.generate(rid, ids, params)]
 
 
-def test_concurrent_streams_match_offline_generation(engine: AsyncEngine) -> None:
+def test_concurrent_streams_match_offline_generation(engine: AsyncEngine, smollm_dir: Path) -> None:
     async def main() -> list[list[int]]:
         tasks = [collect(engine, f"c{i}", ids, 6 + 2 * i) for i, ids in enumerate(PROMPTS)]
         return await asyncio.gather(*tasks)
 
     streamed = asyncio.run(main())
+    # A separate engine: the driver's thread owns its engine, nobody else may step it.
+    plain = LLMEngine(EngineConfig(model=str(smollm_dir), kv_cache_gb=0.05))
     offline = [
-        engine.engine.generate([ids], SamplingParams(temperature=0, max_tokens=6 + 2 * i))[0]
+        plain.generate([ids], SamplingParams(temperature=0, max_tokens=6 + 2 * i))[0]
         for i, ids in enumerate(PROMPTS)
     ]
     assert streamed == offline

@@ -98,6 +98,4 @@ def load_model(
     if missing:
         more = " ..." if len(missing) > 5 else ""
         raise ValueError(f"checkpoint lacks weights for {missing[:5]}{more}")
-    if device.type == "cpu":
-        model.use_column_major_weights()
     return model.eval()

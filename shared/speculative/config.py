@@ -63,7 +63,7 @@ class SpeculativeConfig:
         if steps is None and topk is None and tokens is None:
             # Verification is not flat on CPU, so the defaults stay small; NGRAM trees are
             # cheap to build and wider.
-            steps, topk, tokens = (11, 1, 12) if algo == "NGRAM" else (4, 1, 5)
+            steps, topk, tokens = (7, 1, 8) if algo == "NGRAM" else (4, 1, 5)
         elif None in (steps, topk, tokens):
             steps = steps or 4
             topk = topk or 1
