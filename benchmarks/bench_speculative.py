@@ -47,16 +47,16 @@ REWRITE = [
     "def is_even(n):\n    return n % 2 == 1\n",
 ]
 PARAGRAPH = (
-    "The library opens at nine in the morning and closes at six in the evening. "
-    "Visitors must show a card at the entrance, keep their voices low, and return "
-    "borrowed books within three weeks."
+    "Alice packed her bag, locked the door, and walked to the station. The train was late, "
+    "so she bought a coffee and read the newspaper. When the train finally arrived, she "
+    "found a seat by the window and watched the fields go by until she reached the city."
 )
+WEEK = "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday"
 REPEAT = [
     f"Repeat the following text exactly, word for word:\n{PARAGRAPH}",
-    f"Copy this text twice:\n{PARAGRAPH}",
-    "Repeat exactly: one two three four five six seven eight nine ten, "
-    "one two three four five six seven eight nine ten.",
-    f"Write this paragraph again without changing anything:\n{PARAGRAPH}",
+    f'Quote this passage exactly:\n"{PARAGRAPH}"',
+    f"Print this text again:\n\n{PARAGRAPH}",
+    f"Repeat this list exactly: {WEEK}, {WEEK}.",
 ]
 
 

@@ -256,3 +256,28 @@ def test_unset_tree_options_are_chosen_automatically() -> None:
     cfg = SpeculativeConfig("STANDALONE", "draft").resolved()
     assert cfg.speculative_num_draft_tokens == cfg.speculative_num_steps + 1
     assert cfg.speculative_eagle_topk == 1
+
+
+def test_token_map_restricts_drafts_and_stays_lossless(
+    smollm_dir: Path, tmp_path: Path, prompt_ids: list[list[int]], reference: list[list[int]]
+) -> None:
+    import json
+
+    from shared.speculative.drafter import DraftRequest
+
+    # A reduced vocabulary holding the answers' tokens plus the first thousand ids.
+    keep = sorted({t for r in reference[:3] for t in r} | set(range(1000)))
+    token_map = tmp_path / "hot_tokens.json"
+    token_map.write_text(json.dumps(keep))
+    engine = spec_engine(
+        smollm_dir,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=str(smollm_dir),
+        speculative_token_map=str(token_map),
+    )
+    assert [engine.generate([ids], GREEDY)[0] for ids in prompt_ids[:3]] == reference[:3]
+    assert engine.speculator.stats.accepted_tokens > 0
+    drafter = engine.speculator.drafter
+    drafter.open("probe", prompt_ids[5])
+    tree = drafter.propose([DraftRequest("probe", [], 4)])[0]
+    assert len(tree) == 5 and set(tree.tokens[1:]) <= set(keep)

@@ -56,9 +56,9 @@ def test_trie_matches_longest_suffix() -> None:
     trie = NgramTrie(max_depth=4)
     tokens = [1, 2, 3, 4, 9, 2, 3, 5]
     trie.add(tokens, len(tokens))
-    node = trie.match([7, 2, 3])
+    node = trie.match([7, 2, 3], max_length=3)
     assert node is not None and set(node.children) == {4, 5}
-    assert trie.match([8, 8]) is None
+    assert trie.match([8, 8], max_length=3) is None
 
 
 def test_bfs_drafts_a_repeated_span() -> None:

@@ -27,6 +27,9 @@ class SpeculativeConfig:
         1.0, "accept a draft with probability min(1, p / this) (1 = exact sampling)"
     )
     speculative_token_map: str | None = option(None, "FR-Spec reduced draft vocabulary (token ids)")
+    speculative_token_map: str | None = option(
+        None, "FR-Spec: .pt or .json list of token ids the draft LM head keeps"
+    )
     speculative_ngram_min_bfs_breadth: int = option(1, "NGRAM: branching at the deepest level")
     speculative_ngram_max_bfs_breadth: int = option(8, "NGRAM: branching at the first level")
     speculative_ngram_match_type: str = option("BFS", "NGRAM: BFS (recency) or PROB (frequency)")
@@ -50,6 +53,8 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path")
         if algo == "NGRAM" and self.speculative_draft_model_path:
             raise ValueError("NGRAM drafts from the context; it takes no draft model")
+        if self.speculative_token_map and algo != "STANDALONE":
+            raise ValueError("--speculative-token-map applies to a draft LM (STANDALONE)")
         if self.speculative_ngram_match_type.upper() not in ("BFS", "PROB"):
             raise ValueError("--speculative-ngram-match-type must be BFS or PROB")
         for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):

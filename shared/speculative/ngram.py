@@ -48,9 +48,10 @@ class NgramTrie:
                 node.count += 1
                 node.last_seen = next(self.clock)
 
-    def match(self, context: list[int]) -> _Node | None:
-        """The node of the longest suffix of `context` that has continuations."""
-        for length in range(min(self.max_depth - 1, len(context)), 0, -1):
+    def match(self, context: list[int], max_length: int) -> _Node | None:
+        """The node of the longest suffix of `context`, at most `max_length` tokens,
+        that has continuations. (A suffix of L tokens leaves max_depth - L to draft.)"""
+        for length in range(min(max_length, self.max_depth - 1, len(context)), 0, -1):
             node: _Node | None = self.root
             for token in context[-length:]:
                 node = node.children.get(token) if node else None
@@ -86,7 +87,9 @@ class NgramDrafter:
         trie, tokens = self.requests[request.request_id]
         tokens.extend(request.new_tokens)
         trie.add(tokens, len(request.new_tokens))
-        node = trie.match(tokens) or self.shared.match(tokens)
+        # Match short enough that the continuation can fill the budget as a chain.
+        longest = max(1, self.depth - request.max_drafts)
+        node = trie.match(tokens, longest) or self.shared.match(tokens, longest)
         tree = DraftTree([tokens[-1]], [-1])
         if node is not None and request.max_drafts > 0:
             if self.cfg.speculative_ngram_match_type == "PROB":

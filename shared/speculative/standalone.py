@@ -11,7 +11,9 @@ With topk = 1 this is plain chain drafting. All requests share each forward.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -20,6 +22,7 @@ from shared.engine.sequence import Sequence
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.kv_cache import KVCache
 from shared.model.attention import SequenceSpan
+from shared.model.llama import Linear
 from shared.model.loader import load_model
 from shared.sampling.params import SamplingParams
 from shared.speculative.config import SpeculativeConfig
@@ -52,6 +55,17 @@ class _Draft:
         )
 
 
+def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
+    """Token ids from a .pt tensor (SGLang's format) or a .json list."""
+    if path.endswith(".json"):
+        ids = torch.tensor(json.loads(Path(path).read_text()), dtype=torch.long)
+    else:
+        ids = torch.load(path, map_location="cpu", weights_only=True).long().flatten()
+    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"--speculative-token-map {path}: ids must be in [0, {vocab_size})")
+    return torch.unique(ids)
+
+
 class DraftModelDrafter:
     def __init__(
         self,
@@ -68,6 +82,14 @@ class DraftModelDrafter:
                 f"the draft model's vocabulary ({model.config.vocab_size}) is larger than the "
                 f"target's ({target_vocab_size}); STANDALONE needs the target's tokenizer"
             )
+        # FR-Spec: score only a frequent subset of the vocabulary in the draft LM head.
+        self.token_map: torch.Tensor | None = None
+        if cfg.speculative_token_map:
+            self.token_map = load_token_map(cfg.speculative_token_map, model.config.vocab_size)
+            head = model.lm_head.weight.detach()[self.token_map]
+            model.lm_head = Linear(head.shape[1], head.shape[0], bias=False, device=device)
+            model.lm_head.weight = torch.nn.Parameter(head.to(dtype), requires_grad=False)
+            self.token_map = self.token_map.to(device)
         num_blocks = KVCache.blocks_for_memory(
             model.config, int(kv_cache_gb * 2**30), block_size, dtype
         )
@@ -140,6 +162,8 @@ class DraftModelDrafter:
         logits, _ = self.runner.forward(spans, ids, positions, rows)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         top_lp, top_ids = logprobs.topk(self.topk, dim=-1)
+        if self.token_map is not None:
+            top_ids = self.token_map[top_ids]
         row = 0
         for d in drafts:
             if catch_up:
