@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -261,8 +262,6 @@ def test_unset_tree_options_are_chosen_automatically() -> None:
 def test_token_map_restricts_drafts_and_stays_lossless(
     smollm_dir: Path, tmp_path: Path, prompt_ids: list[list[int]], reference: list[list[int]]
 ) -> None:
-    import json
-
     from shared.speculative.drafter import DraftRequest
 
     # A reduced vocabulary holding the answers' tokens plus the first thousand ids.
@@ -281,3 +280,83 @@ def test_token_map_restricts_drafts_and_stays_lossless(
     drafter.open("probe", prompt_ids[5])
     tree = drafter.propose([DraftRequest("probe", [], 4)])[0]
     assert len(tree) == 5 and set(tree.tokens[1:]) <= set(keep)
+
+
+def write_eagle_head(path: Path, eagle3: bool, seed: int = 0) -> str:
+    """A head in the published EAGLE / EAGLE-3 layout for SmolLM2-135M, random weights."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    hidden, heads, kv_heads, head_dim, ffn, vocab = 576, 9, 3, 64, 256, 49152
+    draft_vocab = 4096
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3" if eagle3 else "LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "max_position_embeddings": 8192,
+        "vocab_size": vocab,
+        "torch_dtype": "float32",
+    }
+    in_dim = 2 * hidden if eagle3 else hidden
+    prefix = "midlayer." if eagle3 else "layers.0."
+    w = {
+        f"{prefix}self_attn.q_proj.weight": torch.randn(heads * head_dim, in_dim) * 0.05,
+        f"{prefix}self_attn.k_proj.weight": torch.randn(kv_heads * head_dim, in_dim) * 0.05,
+        f"{prefix}self_attn.v_proj.weight": torch.randn(kv_heads * head_dim, in_dim) * 0.05,
+        f"{prefix}self_attn.o_proj.weight": torch.randn(hidden, heads * head_dim) * 0.05,
+        f"{prefix}mlp.gate_proj.weight": torch.randn(ffn, hidden) * 0.05,
+        f"{prefix}mlp.up_proj.weight": torch.randn(ffn, hidden) * 0.05,
+        f"{prefix}mlp.down_proj.weight": torch.randn(hidden, ffn) * 0.05,
+        f"{prefix}post_attention_layernorm.weight": torch.ones(hidden),
+        f"{prefix}input_layernorm.weight": torch.ones(hidden),
+    }
+    if eagle3:
+        kept = torch.randperm(vocab)[:draft_vocab].sort().values
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[kept] = True
+        w |= {
+            "fc.weight": torch.randn(hidden, 3 * hidden) * 0.02,
+            f"{prefix}hidden_norm.weight": torch.ones(hidden),
+            "norm.weight": torch.ones(hidden),
+            "lm_head.weight": torch.randn(draft_vocab, hidden) * 0.05,
+            "d2t": kept - torch.arange(draft_vocab),
+            "t2d": t2d,
+        }
+        config["draft_vocab_size"] = draft_vocab
+        save_file(w, str(path / "model.safetensors"))
+    else:
+        w |= {"fc.weight": torch.randn(hidden, 2 * hidden) * 0.02, "fc.bias": torch.zeros(hidden)}
+        torch.save(w, path / "pytorch_model.bin")
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_eagle_heads_load_from_published_layouts_and_are_lossless(
+    algorithm: str,
+    smollm_dir: Path,
+    tmp_path: Path,
+    prompt_ids: list[list[int]],
+    reference: list[list[int]],
+) -> None:
+    head = write_eagle_head(tmp_path, eagle3=algorithm == "EAGLE3")
+    engine = spec_engine(
+        smollm_dir,
+        speculative_algorithm=algorithm,
+        speculative_draft_model_path=head,
+        speculative_num_steps=3,
+        speculative_eagle_topk=2,
+        speculative_num_draft_tokens=5,
+    )
+    assert [engine.generate([ids], GREEDY)[0] for ids in prompt_ids[:4]] == reference[:4]
+    assert engine.generate(prompt_ids[4:8], GREEDY) == reference[4:8]
+    # Every decode step drafted (all but a request's last, when max_tokens leaves no room).
+    stats = engine.speculator.stats
+    decode_steps = sum(len(r) - 1 for r in reference[:8])
+    assert decode_steps - 8 <= stats.steps <= decode_steps
+    assert stats.draft_tokens >= stats.steps

@@ -92,7 +92,8 @@ class LLMEngine:
         self.speculator: Speculator | None = None
         if spec is not None and spec.enabled:
             spec = spec.resolved()
-            drafter = make_drafter(spec, device, dtype, mcfg.vocab_size)
+            drafter = make_drafter(spec, self.model)
+            self.runner.feature_layers, self.runner.feature_normed = drafter.target_features
             self.speculator = Speculator(spec, drafter, self.kv_cache, self.block_manager)
         self.sequences: dict[str, Sequence] = {}
         self.stats = EngineStats()
@@ -147,7 +148,7 @@ class LLMEngine:
             return []
         start = time.perf_counter()
         trees = self.speculator.draft(batch) if self.speculator else {}
-        sampled, out, tree_logits = self.runner.step(batch, trees)
+        result = self.runner.step(batch, trees)
         self.stats.steps += 1
         self.stats.computed_tokens += sum(len(trees[s]) if s in trees else n for s, n in batch)
         for seq, num in batch:
@@ -155,11 +156,14 @@ class LLMEngine:
                 computed_before = seq.num_computed_tokens
                 seq.num_computed_tokens += num
                 self.block_manager.seal(seq, computed_before)
-        outputs = []
-        for i, seq in enumerate(sampled):
+                if seq in result.features:
+                    self.speculator.add_features(seq, result.features[seq], computed_before)
+        outputs, out = [], result.samples
+        for i, seq in enumerate(result.sampled):
             outputs += self._emit(seq, [out.token_ids[i]], out.logprobs[i], out.top_logprobs[i])
-        for seq, logits in tree_logits.items():
-            outputs += self._emit(seq, self.speculator.verify(seq, trees[seq], logits))
+        for seq, logits in result.tree_logits.items():
+            tokens = self.speculator.verify(seq, trees[seq], logits, result.features.get(seq))
+            outputs += self._emit(seq, tokens)
         self.stats.step_seconds += time.perf_counter() - start
         self.stats.generated_tokens += len(outputs)
         return outputs

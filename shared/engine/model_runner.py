@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from shared.engine.sequence import Sequence
@@ -12,12 +14,24 @@ from shared.sampling.sampler import SampleOutput, Sampler
 from shared.speculative.tree import DraftTree
 
 
+@dataclass
+class StepOutput:
+    sampled: list[Sequence]  # sequences that got one sampled token
+    samples: SampleOutput  # their tokens
+    tree_logits: dict[Sequence, torch.Tensor]  # logits at every node of each draft tree
+    features: dict[Sequence, torch.Tensor]  # per sequence, features of its input rows
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = model.embed_tokens.weight.device
         self.sampler = Sampler()
+        # Target features an EAGLE drafter needs: the outputs of these layers, and whether
+        # the (single) one is taken after the final norm.
+        self.feature_layers: tuple[int, ...] = ()
+        self.feature_normed = False
 
     @torch.inference_mode()
     def forward(
@@ -42,16 +56,15 @@ class ModelRunner:
 
     def step(
         self, batch: list[tuple[Sequence, int]], trees: dict[Sequence, DraftTree]
-    ) -> tuple[list[Sequence], SampleOutput, dict[Sequence, torch.Tensor]]:
+    ) -> StepOutput:
         """Compute `num` more tokens of each sequence; sample for those that reach their end.
-        A sequence with a draft tree instead forwards the tree (root = its last token).
-
-        Returns the sequences that got a sampled token, those tokens, and the logits at
-        every node of each tree."""
+        A sequence with a draft tree instead forwards the tree (root = its last token)."""
         spans, input_ids, positions, sample_rows, tree_rows = [], [], [], [], []
         sampled: list[Sequence] = []
+        first_row: dict[Sequence, int] = {}
         for seq, num in batch:
             start = seq.num_computed_tokens
+            first_row[seq] = len(input_ids)
             tree = trees.get(seq)
             if tree is not None:  # every node at its own depth, seeing only its ancestors
                 spans.append(SequenceSpan(seq.block_table, start, len(tree), tree.ancestor_mask()))
@@ -65,16 +78,25 @@ class ModelRunner:
             if start + num == len(seq):
                 sample_rows.append(len(input_ids) - 1)
                 sampled.append(seq)
-        logits, _ = self.forward(spans, input_ids, positions, sample_rows + tree_rows)
+        logits, aux = self.forward(
+            spans, input_ids, positions, sample_rows + tree_rows, self.feature_layers
+        )
         tree_logits, row = {}, len(sample_rows)
         for seq, tree in trees.items():
             tree_logits[seq] = logits[row : row + len(tree)]
             row += len(tree)
-        out = self.sampler.sample(
+        features = {}
+        if self.feature_layers:
+            # EAGLE reads the final normed hidden state; EAGLE-3 several layers side by side.
+            rows = self.model.norm(aux[0]) if self.feature_normed else torch.cat(aux, dim=-1)
+            for seq, num in batch:
+                n = len(trees[seq]) if seq in trees else num
+                features[seq] = rows[first_row[seq] : first_row[seq] + n]
+        samples = self.sampler.sample(
             logits[: len(sample_rows)],
             [s.params for s in sampled],
             [s.prompt_ids for s in sampled],
             [s.output_ids for s in sampled],
             [s.generator for s in sampled],
         )
-        return sampled, out, tree_logits
+        return StepOutput(sampled, samples, tree_logits, features)

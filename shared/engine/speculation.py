@@ -10,7 +10,7 @@ or logprobs decode without drafts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,11 @@ class _RequestState:
     budget: int  # draft nodes allowed next step
     accepted_ema: float  # recent accepted drafts per step
     stats: SpecStats
+    # EAGLE only: target features of computed positions not yet sent to the drafter,
+    # starting at position `features_start`; `features_end` is the next position due.
+    features: list[torch.Tensor] = field(default_factory=list)
+    features_start: int = 0
+    features_end: int = 0
 
 
 def speculable(params: SamplingParams) -> bool:
@@ -95,7 +100,13 @@ class Speculator:
             budget = min(state.budget, left)
             if not self.block_manager.can_grow(seq, budget):
                 budget = 0
-            requests.append(DraftRequest(seq.request_id, seq.token_ids[state.num_synced :], budget))
+            features = torch.cat(state.features) if state.features else None
+            state.features.clear()
+            new = seq.token_ids[state.num_synced :]
+            requests.append(
+                DraftRequest(seq.request_id, new, budget, features, state.features_start)
+            )
+            state.features_start = state.features_end
             state.num_synced = len(seq)
             seqs.append(seq)
         trees = {}
@@ -105,9 +116,30 @@ class Speculator:
                 trees[seq] = tree
         return trees
 
-    def verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> list[int]:
-        """Accept a path of `tree` given the target's logits at its nodes; commit the
-        path's K/V. Returns the tokens to emit (accepted drafts, then the bonus token)."""
+    def add_features(self, seq: Sequence, features: torch.Tensor, start: int) -> None:
+        """Target features of positions start.. that `seq` computed this step, for its drafter.
+        Positions served from the prefix cache have none: the drafter starts after them.
+        Positions recomputed after a preemption were sent already and are dropped."""
+        state = self.requests.get(seq.request_id)
+        if state is None:
+            return
+        end = start + len(features)
+        if state.features_end == 0 and start > 0:
+            state.features_start = start
+        else:
+            features = features[max(0, state.features_end - start) :]
+        state.features.append(features)
+        state.features_end = max(state.features_end, end)
+
+    def verify(
+        self,
+        seq: Sequence,
+        tree: DraftTree,
+        logits: torch.Tensor,
+        features: torch.Tensor | None = None,
+    ) -> list[int]:
+        """Accept a path of `tree` given the target's logits (and features) at its nodes;
+        commit the path's K/V. Returns the tokens to emit (accepted drafts, then bonus)."""
         params = seq.params
         if params.greedy:
             path, emitted = accept_greedy(tree, logits.argmax(dim=-1).tolist())
@@ -126,6 +158,8 @@ class Speculator:
             self.kv_cache.copy_tokens(seq.block_table, list(src), list(dst))
         seq.num_computed_tokens = start + len(path)
         self.block_manager.seal(seq, start)
+        if features is not None:
+            self.add_features(seq, features[path], start)
         state = self.requests[seq.request_id]
         accepted = len(path) - 1
         state.stats.add(len(tree) - 1, accepted)

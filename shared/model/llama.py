@@ -50,7 +50,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, cfg: ModelConfig, backend: AttentionBackend, in_features: int | None = None
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
@@ -59,7 +61,9 @@ class Attention(nn.Module):
         )
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        # EAGLE-3 heads attend over [token embedding; feature], twice the hidden size.
+        qkv_out = self.q_size + 2 * self.kv_size
+        self.qkv_proj = Linear(in_features or cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.backend = backend
 

@@ -39,7 +39,7 @@ def _read_checkpoint(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch
     return ModelConfig.from_file(path / "config.json"), _safetensors_tensors(path)
 
 
-def _fused_slices(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
+def fused_slices(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
     """Checkpoint projection name -> (our fused parameter, row offset, rows)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     ffn = cfg.intermediate_size
@@ -70,7 +70,7 @@ def load_model(
         model = LlamaForCausalLM(cfg, get_attention_backend(attention_backend))
     model.materialize(device, dtype)
     params = dict(model.named_parameters())
-    fused = _fused_slices(cfg)
+    fused = fused_slices(cfg)
     seen: set[str] = set()
     for name, tensor in tensors:
         name = name.removeprefix("model.")

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from shared.model.llama import LlamaForCausalLM
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.tree import DraftTree
 
@@ -23,9 +24,16 @@ class DraftRequest:
     request_id: str
     new_tokens: list[int]  # accepted since the last call (the last one is the tree's root)
     max_drafts: int  # draft nodes allowed, root excluded
+    # EAGLE: target features of the positions from `feature_position` on, up to the one
+    # before the last token (None for other drafters).
+    features: torch.Tensor | None = None
+    feature_position: int = 0
 
 
 class Drafter(Protocol):
+    # Target layers whose outputs the drafter reads, and whether the one is final-normed.
+    target_features: tuple[tuple[int, ...], bool]
+
     def open(self, request_id: str, prompt_ids: list[int]) -> None: ...
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]: ...
@@ -33,9 +41,7 @@ class Drafter(Protocol):
     def close(self, request_id: str) -> None: ...
 
 
-def make_drafter(
-    cfg: SpeculativeConfig, device: torch.device, dtype: torch.dtype, target_vocab_size: int
-) -> Drafter:
+def make_drafter(cfg: SpeculativeConfig, target: LlamaForCausalLM) -> Drafter:
     algo = cfg.speculative_algorithm
     if algo == "NGRAM":
         from shared.speculative.ngram import NgramDrafter
@@ -44,5 +50,7 @@ def make_drafter(
     if algo == "STANDALONE":
         from shared.speculative.standalone import DraftModelDrafter
 
-        return DraftModelDrafter(cfg, device, dtype, target_vocab_size)
-    raise ValueError(f"--speculative-algorithm {algo} is not available yet (NGRAM, STANDALONE are)")
+        return DraftModelDrafter(cfg, target)
+    from shared.speculative.eagle import EagleDrafter
+
+    return EagleDrafter(cfg, target)

@@ -61,6 +61,8 @@ class NgramTrie:
 
 
 class NgramDrafter:
+    target_features: tuple[tuple[int, ...], bool] = ((), False)
+
     def __init__(self, cfg: SpeculativeConfig) -> None:
         self.cfg = cfg
         self.depth = cfg.speculative_ngram_max_trie_depth

@@ -22,19 +22,19 @@ from shared.engine.sequence import Sequence
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.kv_cache import KVCache
 from shared.model.attention import SequenceSpan
-from shared.model.llama import Linear
+from shared.model.llama import Linear, LlamaForCausalLM
 from shared.model.loader import load_model
 from shared.sampling.params import SamplingParams
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.drafter import DraftRequest
 from shared.speculative.tree import DraftTree, ancestor_mask
 
-_DRAFT_PARAMS = SamplingParams(temperature=0.0)
+DRAFT_PARAMS = SamplingParams(temperature=0.0)
 
 
 @dataclass
-class _Draft:
-    """One request's draft during a proposal. Node 0 is the root."""
+class TreeSearch:
+    """One request's draft tree while it grows (EAGLE-2 style). Node 0 is the root."""
 
     seq: Sequence
     budget: int
@@ -44,6 +44,27 @@ class _Draft:
     depths: list[int] = field(default_factory=lambda: [0])
     expanded: list[int] = field(default_factory=list)  # non-root nodes fed to the model
     frontier: list[int] = field(default_factory=lambda: [0])
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # EAGLE: output per node
+
+    def grow(self, top_logprobs: torch.Tensor, top_ids: torch.Tensor) -> None:
+        """Score the top-k continuations of each frontier node (one row each, in frontier
+        order) by cumulative log-probability; the best `topk` become the next frontier."""
+        candidates = []
+        for f, lps, ids in zip(self.frontier, top_logprobs.tolist(), top_ids.tolist(), strict=True):
+            for lp, token in zip(lps, ids, strict=True):
+                self.tokens.append(token)
+                self.parents.append(f)
+                self.scores.append(self.scores[f] + lp)
+                self.depths.append(self.depths[f] + 1)
+                candidates.append(len(self.tokens) - 1)
+        candidates.sort(key=lambda i: -self.scores[i])
+        self.frontier = candidates[: len(top_ids[0])]
+        self.expanded += self.frontier
+
+    def expanded_mask(self) -> torch.Tensor:
+        """Ancestor mask among the expanded nodes (the root is cached, so outside)."""
+        local = {0: -1, **{node: j for j, node in enumerate(self.expanded)}}
+        return ancestor_mask([local[self.parents[i]] for i in self.expanded])
 
     def tree(self) -> DraftTree:
         best = sorted(range(1, len(self.tokens)), key=lambda i: (-self.scores[i], i))
@@ -67,20 +88,22 @@ def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
 
 
 class DraftModelDrafter:
+    target_features: tuple[tuple[int, ...], bool] = ((), False)
+
     def __init__(
         self,
         cfg: SpeculativeConfig,
-        device: torch.device,
-        dtype: torch.dtype,
-        target_vocab_size: int,
+        target: LlamaForCausalLM,
         kv_cache_gb: float = 0.25,
         block_size: int = 16,
     ) -> None:
+        weight = target.embed_tokens.weight
+        device, dtype = weight.device, weight.dtype
         model = load_model(cfg.speculative_draft_model_path, device, dtype)
-        if model.config.vocab_size > target_vocab_size:
+        if model.config.vocab_size > target.config.vocab_size:
             raise ValueError(
                 f"the draft model's vocabulary ({model.config.vocab_size}) is larger than the "
-                f"target's ({target_vocab_size}); STANDALONE needs the target's tokenizer"
+                f"target's ({target.config.vocab_size}); STANDALONE needs the target's tokenizer"
             )
         # FR-Spec: score only a frequent subset of the vocabulary in the draft LM head.
         self.token_map: torch.Tensor | None = None
@@ -102,7 +125,7 @@ class DraftModelDrafter:
         self.seqs: dict[str, Sequence] = {}
 
     def open(self, request_id: str, prompt_ids: list[int]) -> None:
-        self.seqs[request_id] = Sequence(request_id, list(prompt_ids), _DRAFT_PARAMS)
+        self.seqs[request_id] = Sequence(request_id, list(prompt_ids), DRAFT_PARAMS)
 
     def close(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id)
@@ -110,7 +133,7 @@ class DraftModelDrafter:
             self.blocks.free(seq)
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
-        drafts: list[_Draft | None] = []
+        drafts: list[TreeSearch | None] = []
         for r in requests:
             seq = self.seqs[r.request_id]
             seq.token_ids.extend(r.new_tokens)
@@ -124,7 +147,7 @@ class DraftModelDrafter:
             for d, r in zip(drafts, requests, strict=True)
         ]
 
-    def _prepare(self, seq: Sequence, budget: int) -> _Draft | None:
+    def _prepare(self, seq: Sequence, budget: int) -> TreeSearch | None:
         """Make room for the new tokens and the nodes to expand; None: no draft this step."""
         if budget < 1:
             return None
@@ -136,9 +159,9 @@ class DraftModelDrafter:
         if not self.blocks.can_grow(seq, extra):
             return None
         self.blocks.ensure_capacity(seq, extra)
-        return _Draft(seq, budget, [seq.token_ids[-1]])
+        return TreeSearch(seq, budget, [seq.token_ids[-1]])
 
-    def _expand(self, drafts: list[_Draft], catch_up: bool) -> None:
+    def _expand(self, drafts: list[TreeSearch], catch_up: bool) -> None:
         spans, ids, positions, rows = [], [], [], []
         for d in drafts:
             seq = d.seq
@@ -148,9 +171,7 @@ class DraftModelDrafter:
                 positions += range(start, start + len(new))
             else:  # every expanded node, each seeing its ancestors
                 new = [d.tokens[i] for i in d.expanded]
-                local = {0: -1, **{node: j for j, node in enumerate(d.expanded)}}
-                mask = ancestor_mask([local[d.parents[i]] for i in d.expanded])
-                spans.append(SequenceSpan(seq.block_table, len(seq), len(new), mask))
+                spans.append(SequenceSpan(seq.block_table, len(seq), len(new), d.expanded_mask()))
                 positions += [len(seq) - 1 + d.depths[i] for i in d.expanded]
             offset = len(ids)
             ids += new
@@ -170,15 +191,6 @@ class DraftModelDrafter:
                 before = d.seq.num_computed_tokens
                 d.seq.num_computed_tokens = len(d.seq)
                 self.blocks.seal(d.seq, before)
-            candidates = []
-            for f in d.frontier:
-                for lp, token in zip(top_lp[row].tolist(), top_ids[row].tolist(), strict=True):
-                    d.tokens.append(token)
-                    d.parents.append(f)
-                    d.scores.append(d.scores[f] + lp)
-                    d.depths.append(d.depths[f] + 1)
-                    candidates.append(len(d.tokens) - 1)
-                row += 1
-            candidates.sort(key=lambda i: -d.scores[i])
-            d.frontier = candidates[: self.topk]
-            d.expanded += d.frontier
+            n = len(d.frontier)
+            d.grow(top_lp[row : row + n], top_ids[row : row + n])
+            row += n

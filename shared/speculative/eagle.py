@@ -1,0 +1,272 @@
+"""EAGLE and EAGLE-3 drafting: a one-layer head that reads the target's hidden states.
+
+Checkpoints load in their published layouts (config.json plus model.safetensors
+or pytorch_model.bin):
+- EAGLE: `fc` ([token embedding; target feature] -> hidden, with bias), one decoder
+  layer `layers.0.*` without an input norm; logits come from the target's LM head.
+  The feature is the target's final normed hidden state.
+- EAGLE-3: `fc` (three target layers' outputs, concatenated -> hidden), `midlayer.*`
+  whose attention reads [input_layernorm(embedding); hidden_norm(feature)], `norm`,
+  its own `lm_head` over a reduced draft vocabulary, and `d2t` (target id = draft id
+  + d2t[draft id]). The features are the outputs of target layers 1, L/2-1 and L-4.
+The head's entry i pairs token i+1 with the feature of position i. Drafting
+feeds a node's own output back as its children's feature, and grows the tree
+as STANDALONE does (top-k per step, cumulative scores, rerank).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from shared.engine.sequence import Sequence
+from shared.kvcache.block_manager import BlockManager
+from shared.kvcache.kv_cache import KVCache
+from shared.model.attention import SequenceSpan, TorchAttention
+from shared.model.config import ModelConfig
+from shared.model.llama import MLP, Attention, Linear, LlamaForCausalLM, RMSNorm
+from shared.model.loader import fused_slices
+from shared.model.rope import rope_cos_sin
+from shared.speculative.config import SpeculativeConfig
+from shared.speculative.drafter import DraftRequest
+from shared.speculative.standalone import DRAFT_PARAMS, TreeSearch
+from shared.speculative.tree import DraftTree
+
+
+class EagleHead(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, eagle3: bool, target_hidden: int, draft_vocab: int
+    ) -> None:
+        super().__init__()
+        hidden = cfg.hidden_size
+        self.eagle3 = eagle3
+        self.fc = Linear(3 * target_hidden if eagle3 else 2 * hidden, hidden, bias=not eagle3)
+        self.self_attn = Attention(cfg, TorchAttention(), 2 * hidden if eagle3 else None)
+        self.mlp = MLP(cfg)
+        self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps)
+        if eagle3:
+            self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps)
+            self.hidden_norm = RMSNorm(hidden, cfg.rms_norm_eps)
+            self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
+            self.lm_head = Linear(hidden, draft_vocab, bias=False)
+            self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        cos, sin = rope_cos_sin(
+            cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling
+        )
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def project(self, target_features: torch.Tensor) -> torch.Tensor:
+        """Target features into the head's input space (EAGLE-3 compresses three layers)."""
+        return self.fc(target_features) if self.eagle3 else target_features
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: object,
+    ) -> torch.Tensor:
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        if self.eagle3:
+            residual = features
+            x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(features)], dim=-1)
+        else:
+            residual = x = self.fc(torch.cat([embeds, features], dim=-1))
+        h = residual + self.self_attn(x, cos, sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    if (path / "model.safetensors").exists():
+        return load_file(path / "model.safetensors")
+    if (path / "pytorch_model.bin").exists():
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{path} holds neither model.safetensors nor pytorch_model.bin")
+
+
+def load_head(
+    path: Path, eagle3: bool, target: LlamaForCausalLM
+) -> tuple[EagleHead, torch.Tensor | None]:
+    """The head and, if the checkpoint brings one, its own token embedding."""
+    raw = json.loads((path / "config.json").read_text())
+    cfg = ModelConfig.from_hf(
+        {**raw, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1}
+    )
+    draft_vocab = raw.get("draft_vocab_size") or cfg.vocab_size
+    head = EagleHead(cfg, eagle3, target.config.hidden_size, draft_vocab)
+    fused = fused_slices(cfg)
+    params = dict(head.named_parameters())
+    if eagle3:
+        params["d2t"] = head.d2t
+    embed, seen = None, set()
+    for name, tensor in _read_weights(path).items():
+        name = name.removeprefix("midlayer.").removeprefix("layers.0.")
+        if name == "embed_tokens.weight":
+            embed = tensor
+            continue
+        if name == "t2d" or (name == "input_layernorm.weight" and not eagle3):
+            continue  # t2d: the inverse map; EAGLE's layer 0 never applies its input norm
+        *prefix, proj, kind = name.split(".") if "." in name else ("", name, "")
+        rows = None
+        if proj in fused:
+            module, start, rows = fused[proj]
+            name = ".".join([*prefix, module, kind])
+        if name not in params:
+            raise ValueError(f"unexpected tensor {name!r} in the EAGLE head at {path}")
+        dest = params[name].data
+        if rows is not None:
+            dest = dest[start : start + rows]
+        if dest.shape != tensor.shape:
+            raise ValueError(
+                f"EAGLE head tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor)
+        seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise ValueError(f"the EAGLE head at {path} lacks {missing}")
+    return head, embed
+
+
+class EagleDrafter:
+    def __init__(
+        self,
+        cfg: SpeculativeConfig,
+        target: LlamaForCausalLM,
+        kv_cache_gb: float = 0.05,
+        block_size: int = 16,
+    ) -> None:
+        eagle3 = cfg.speculative_algorithm == "EAGLE3"
+        path = Path(cfg.speculative_draft_model_path)
+        weight = target.embed_tokens.weight
+        device, dtype = weight.device, weight.dtype
+        head, embed = load_head(path, eagle3, target)
+        self.head = head.to(device, dtype).eval()
+        self.embed = embed.to(device, dtype) if embed is not None else weight
+        self.target = target
+        layers = target.config.num_layers
+        self.target_features = (
+            ((1, layers // 2 - 1, layers - 4), False) if eagle3 else ((layers - 1,), True)
+        )
+        raw = json.loads((path / "config.json").read_text())
+        kv_cfg = ModelConfig.from_hf(
+            {**raw, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1}
+        )
+        num_blocks = KVCache.blocks_for_memory(kv_cfg, int(kv_cache_gb * 2**30), block_size, dtype)
+        self.kv_cache = KVCache(kv_cfg, num_blocks, block_size, device, dtype)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.num_steps = cfg.speculative_num_steps
+        self.topk = cfg.speculative_eagle_topk
+        # Per request: all its tokens; the head's sequence of pairs, the first of which is
+        # at target position `offsets` (after any prefix the target served from cache);
+        # projected features not yet in the head's KV.
+        self.tokens: dict[str, list[int]] = {}
+        self.offsets: dict[str, int] = {}
+        self.seqs: dict[str, Sequence] = {}
+        self.features: dict[str, list[torch.Tensor]] = {}
+
+    def open(self, request_id: str, prompt_ids: list[int]) -> None:
+        self.tokens[request_id] = list(prompt_ids)
+        self.seqs[request_id] = Sequence(request_id, [], DRAFT_PARAMS)
+        self.features[request_id] = []
+        self.offsets[request_id] = 0
+
+    def close(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id)
+        if seq.block_table:
+            self.blocks.free(seq)
+        del self.tokens[request_id], self.features[request_id], self.offsets[request_id]
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        searches: list[TreeSearch | None] = []
+        for r in requests:
+            tokens = self.tokens[r.request_id]
+            tokens.extend(r.new_tokens)
+            if r.features is not None:
+                if not self.seqs[r.request_id].token_ids and not self.features[r.request_id]:
+                    self.offsets[r.request_id] = r.feature_position
+                self.features[r.request_id].append(self.head.project(r.features))
+            searches.append(self._prepare(r))
+        active = [s for s in searches if s is not None]
+        steps = max((min(self.num_steps, s.budget) for s in active), default=0)
+        for step in range(steps):
+            self._expand(active, catch_up=step == 0)
+        return [
+            s.tree() if s is not None else DraftTree([self.tokens[r.request_id][-1]], [-1])
+            for s, r in zip(searches, requests, strict=True)
+        ]
+
+    def _prepare(self, r: DraftRequest) -> TreeSearch | None:
+        seq, tokens = self.seqs[r.request_id], self.tokens[r.request_id]
+        offset = self.offsets[r.request_id]
+        known = sum(len(f) for f in self.features[r.request_id]) + seq.num_computed_tokens
+        # Pairs (token p+1, feature p) for every feature known; the last pair is the root's.
+        seq.token_ids.extend(tokens[offset + len(seq) + 1 : offset + known + 1])
+        if r.max_drafts < 1 or not seq.token_ids or offset + len(seq) != len(tokens) - 1:
+            return None
+        extra = self.num_steps * self.topk
+        if not seq.block_table:
+            if not self.blocks.can_allocate(seq, reserve=extra):
+                return None
+            self.blocks.allocate(seq)
+            seq.num_computed_tokens = 0  # no prefix reuse: entries depend on features too
+        if not self.blocks.can_grow(seq, extra):
+            return None
+        self.blocks.ensure_capacity(seq, extra)
+        return TreeSearch(seq, r.max_drafts, [tokens[-1]])
+
+    def _expand(self, searches: list[TreeSearch], catch_up: bool) -> None:
+        spans, ids, feats, positions, rows = [], [], [], [], []
+        for s in searches:
+            seq, first_row = s.seq, len(ids)
+            offset = self.offsets[seq.request_id]
+            if catch_up:  # pairs the head has not seen, ending with the root's
+                start = seq.num_computed_tokens
+                pending = self.features[seq.request_id]
+                feats.append(torch.cat(pending))
+                pending.clear()
+                ids += seq.token_ids[start:]
+                spans.append(SequenceSpan(seq.block_table, start, len(seq) - start))
+                positions += range(offset + start, offset + len(seq))
+                rows.append(len(ids) - 1)
+            else:  # expanded nodes, each fed its parent's output as its feature
+                ids += [s.tokens[i] for i in s.expanded]
+                feats.append(torch.stack([s.hidden[s.parents[i]] for i in s.expanded]))
+                mask = s.expanded_mask()
+                spans.append(SequenceSpan(seq.block_table, len(seq), len(s.expanded), mask))
+                positions += [offset + len(seq) - 1 + s.depths[i] for i in s.expanded]
+                rows += [first_row + s.expanded.index(f) for f in s.frontier]
+        device = self.embed.device
+        meta = self.head.self_attn.backend.prepare(spans, self.kv_cache.block_size, device)
+        hidden = self.head(
+            self.embed[torch.tensor(ids, device=device)],
+            torch.cat(feats),
+            torch.tensor(positions, device=device),
+            self.kv_cache.layers[0],
+            meta,
+        )
+        out = hidden[torch.tensor(rows, device=device)]
+        if self.head.eagle3:
+            logits = self.head.lm_head(self.head.norm(out))
+        else:
+            logits = self.target.compute_logits(out)
+        top_lp, top_ids = torch.log_softmax(logits.float(), dim=-1).topk(self.topk, dim=-1)
+        if self.head.eagle3:
+            top_ids = top_ids + self.head.d2t[top_ids]
+        row = 0
+        for s in searches:
+            if catch_up:
+                s.seq.num_computed_tokens = len(s.seq)
+            for j, node in enumerate(s.frontier):
+                s.hidden[node] = out[row + j]
+            n = len(s.frontier)
+            s.grow(top_lp[row : row + n], top_ids[row : row + n])
+            row += n
