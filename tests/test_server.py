@@ -159,7 +159,11 @@ def test_ngram_speculation_over_http_is_lossless(server: str, ngram_server: str)
             deltas = [json.loads(e)["choices"][0]["delta"] for e in events]
             spec = "".join(d.get("content", "") for d in deltas)
         else:
-            spec = chat(ngram_server, prompt, **args).json()["choices"][0]["message"]["content"]
+            body = chat(ngram_server, prompt, **args).json()
+            spec = body["choices"][0]["message"]["content"]
+            per_request = body["metrics"]["speculative_decoding"]
+            assert per_request["num_verify_steps"] > 0
+            assert per_request["mean_acceptance_length"] >= 1.0
         assert spec == plain
     state = httpx.get(f"{ngram_server}/get_server_info").json()["internal_states"][0]
     assert state["speculative_algorithm"] == "NGRAM"

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 from services.gateway.protocol import ChatCompletionRequest
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import TokenOutput
+from shared.engine.speculation import SpecStats
 from shared.sampling.params import SamplingParams
 from shared.tokenizer import TextStream, Tokenizer
 
@@ -150,12 +151,14 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str) -> Fas
             )
             return StreamingResponse(chunks, media_type="text/event-stream")
         text, logprobs, finish_reason, completion_tokens = "", [], None, 0
+        spec: SpecStats | None = None
         async for out in _until_stop(first, tokens, stream):
             text += stream.push([out.token_id])
             completion_tokens += 1
             if req.logprobs:
                 logprobs.append(_logprob_entry(tokenizer, out))
             finish_reason = "stop" if stream.stopped else out.finish_reason
+            spec = out.spec or spec
         text += stream.flush()
         choice = {
             "index": 0,
@@ -163,10 +166,18 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str) -> Fas
             "logprobs": {"content": logprobs} if req.logprobs else None,
             "finish_reason": finish_reason,
         }
-        usage = _usage(len(prompt_ids), completion_tokens)
-        return JSONResponse(
-            {**common, "object": "chat.completion", "choices": [choice], "usage": usage}
-        )
+        body = {**common, "object": "chat.completion", "choices": [choice]}
+        body["usage"] = _usage(len(prompt_ids), completion_tokens)
+        if spec is not None:  # per-request speculation, in the shape vLLM reports it
+            body["metrics"] = {
+                "speculative_decoding": {
+                    "num_verify_steps": spec.steps,
+                    "num_draft_tokens": spec.draft_tokens,
+                    "num_accepted_tokens": spec.accepted_tokens,
+                    "mean_acceptance_length": spec.acceptance_length,
+                }
+            }
+        return JSONResponse(body)
 
     return app
 

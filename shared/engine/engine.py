@@ -11,7 +11,7 @@ from shared.config import option, resolve_device, resolve_dtype
 from shared.engine.model_runner import ModelRunner
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Sequence
-from shared.engine.speculation import Speculator
+from shared.engine.speculation import SpecStats, Speculator
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.kv_cache import KVCache
 from shared.model.loader import load_model
@@ -49,6 +49,7 @@ class TokenOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     num_prompt_tokens: int = 0
     num_reused_tokens: int = 0
+    spec: SpecStats | None = None  # the request's speculation totals, on its last token
 
 
 @dataclass
@@ -192,15 +193,14 @@ class LLMEngine:
                 )
             )
             if reason is not None:
-                self._finish(seq)
+                outputs[-1].spec = self._finish(seq)
                 break
         return outputs
 
-    def _finish(self, seq: Sequence) -> None:
+    def _finish(self, seq: Sequence) -> SpecStats | None:
         self.sequences.pop(seq.request_id, None)
         self.scheduler.remove(seq)
-        if self.speculator:
-            self.speculator.close(seq)
+        return self.speculator.close(seq) if self.speculator else None
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
