@@ -91,7 +91,6 @@ def main() -> None:
     tok = Tokenizer(model_dir)
     cfg = EngineConfig(model=model_dir, kv_cache_gb=0.5)
     plain = LLMEngine(cfg)
-    spec = LLMEngine(cfg, SpeculativeConfig("NGRAM"))
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens)
 
@@ -114,12 +113,13 @@ def main() -> None:
         rates: dict[str, list[float]] = {k: [] for k in ("plain", "ngram", "hf", "pld")}
         accept, offline = [], []
         for _ in range(args.runs):
+            # A fresh drafter per run: its shared trie must not remember the last run's answers.
+            spec = LLMEngine(cfg, SpeculativeConfig("NGRAM"))
             timings = {k: [0.0, 0] for k in rates}
-            before = (spec.speculator.stats.steps, spec.speculator.stats.accepted_tokens)
             for ids in prompts:
                 for key, run in (
                     ("plain", lambda i=ids: len(ours(plain, i))),
-                    ("ngram", lambda i=ids: len(ours(spec, i))),
+                    ("ngram", lambda i=ids, e=spec: len(ours(e, i))),
                     ("hf", lambda i=ids: hf_run(i)),
                     ("pld", lambda i=ids: hf_run(i, prompt_lookup_num_tokens=10)),
                 ):
@@ -129,9 +129,7 @@ def main() -> None:
                     timings[key][1] += n
             for k, (seconds, tokens) in timings.items():
                 rates[k].append(tokens / seconds)
-            steps = spec.speculator.stats.steps - before[0]
-            accepted = spec.speculator.stats.accepted_tokens - before[1]
-            accept.append(1 + accepted / steps)
+            accept.append(spec.speculator.stats.acceptance_length)
         for ids in prompts:
             out = ours(plain, ids)
             assert ours(spec, ids) == out, "speculative output differs from plain greedy"
