@@ -181,7 +181,25 @@ def chi_square(counts: Counter, probs: dict, n: int) -> tuple[float, int]:
     return stat, cells - 1
 
 
-def test_speculative_sampling_matches_the_target_distribution(tmp_path: Path) -> None:
+def _accept_without_residual(
+    tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None, *_: float
+) -> tuple[list[int], list[int]]:
+    """A plausible mistake: after rejecting drafts, draw the bonus from the unmodified p."""
+    children = [i for i in range(1, len(tree)) if tree.parents[i] == 0]
+    for child in children:
+        if torch.rand((), generator=generator).item() < probs[0, tree.tokens[child]].item():
+            return [0, child], [tree.tokens[child], int(probs[child].argmax())]
+    return [0], [int(torch.multinomial(probs[0], 1, generator=generator).item())]
+
+
+@pytest.mark.parametrize("rule", ["exact", "wrong"])
+def test_speculative_sampling_matches_the_target_distribution(
+    rule: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if rule == "wrong":
+        import shared.engine.speculation
+
+        monkeypatch.setattr(shared.engine.speculation, "accept_sampling", _accept_without_residual)
     target = tiny_llama(tmp_path / "target", vocab=6, seed=1, hidden=32, layers=2)
     draft = tiny_llama(tmp_path / "draft", vocab=6, seed=2, hidden=32, layers=1)
     prompt, n = [1, 4, 2], 3000
@@ -200,7 +218,11 @@ def test_speculative_sampling_matches_the_target_distribution(tmp_path: Path) ->
     assert engine.speculator.stats.accepted_tokens > 0  # speculation really happened
     stat, dof = chi_square(Counter(samples), exact_joint(target, prompt, 3), n)
     # 99.9th percentile of chi-square is below dof + 4.5 sqrt(2 dof) for these sizes.
-    assert stat < dof + 4.5 * (2 * dof) ** 0.5, (stat, dof)
+    bound = dof + 4.5 * (2 * dof) ** 0.5
+    if rule == "exact":
+        assert stat < bound, (stat, dof)
+    else:  # the same test catches a rule that does not preserve the distribution
+        assert stat > bound, (stat, dof)
 
 
 def _wrong_accept(tree: DraftTree, probs: torch.Tensor, gen: torch.Generator) -> list[int]:

@@ -52,8 +52,36 @@ def fused_slices(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
     }
 
 
-def _checkpoint_names(param: str, fused: dict[str, tuple[str, int, int]]) -> list[str]:
+def copy_into(
+    params: dict[str, torch.Tensor],
+    fused: dict[str, tuple[str, int, int]],
+    name: str,
+    tensor: torch.Tensor,
+) -> None:
+    """Copy checkpoint tensor `name` into our parameter, the right rows of a fused one."""
+    parts = name.split(".")
+    param, rows = name, None
+    if len(parts) >= 2 and parts[-2] in fused:
+        module, start, rows = fused[parts[-2]]
+        param = ".".join([*parts[:-2], module, parts[-1]])
+    if param not in params:
+        raise ValueError(f"unexpected checkpoint tensor {name!r}")
+    target = params[param].data
+    if rows is not None:
+        target = target[start : start + rows]
+    if tensor.shape != target.shape:
+        # copy_ would broadcast or fill only part of the parameter, silently.
+        raise ValueError(
+            f"checkpoint tensor for {param!r} has shape {tuple(tensor.shape)}, "
+            f"the config implies {tuple(target.shape)}"
+        )
+    target.copy_(tensor)
+
+
+def checkpoint_names(param: str, fused: dict[str, tuple[str, int, int]]) -> list[str]:
     """The checkpoint tensors that fill one of our parameters."""
+    if "." not in param:  # e.g. EAGLE-3's d2t map
+        return [param]
     *prefix, module, kind = param.split(".")
     parts = [proj for proj, (target, *_) in fused.items() if target == module]
     return [".".join([*prefix, proj, kind]) for proj in parts] or [param]
@@ -76,25 +104,9 @@ def load_model(
         name = name.removeprefix("model.")
         if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
-        *prefix, proj, kind = name.split(".")
-        param, rows = name, None
-        if proj in fused:
-            module, start, rows = fused[proj]
-            param = ".".join([*prefix, module, kind])
-        if param not in params:
-            raise ValueError(f"unexpected checkpoint tensor {name!r}")
-        target = params[param].data
-        if rows is not None:
-            target = target[start : start + rows]
-        if tensor.shape != target.shape:
-            # copy_ would broadcast or fill only part of the parameter, silently.
-            raise ValueError(
-                f"checkpoint tensor for {param!r} has shape {tuple(tensor.shape)}, "
-                f"the config implies {tuple(target.shape)}"
-            )
-        target.copy_(tensor)
+        copy_into(params, fused, name, tensor)
         seen.add(name)
-    missing = [c for n in params for c in _checkpoint_names(n, fused) if c not in seen]
+    missing = [c for n in params for c in checkpoint_names(n, fused) if c not in seen]
     if missing:
         more = " ..." if len(missing) > 5 else ""
         raise ValueError(f"checkpoint lacks weights for {missing[:5]}{more}")

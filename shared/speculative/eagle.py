@@ -29,7 +29,7 @@ from shared.kvcache.kv_cache import KVCache
 from shared.model.attention import SequenceSpan, TorchAttention
 from shared.model.config import ModelConfig
 from shared.model.llama import MLP, Attention, Linear, LlamaForCausalLM, RMSNorm
-from shared.model.loader import fused_slices
+from shared.model.loader import checkpoint_names, copy_into, fused_slices
 from shared.model.rope import rope_cos_sin
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.drafter import DraftRequest
@@ -43,6 +43,7 @@ class EagleHead(nn.Module):
     ) -> None:
         super().__init__()
         hidden = cfg.hidden_size
+        self.config = cfg
         self.eagle3 = eagle3
         self.fc = Linear(3 * target_hidden if eagle3 else 2 * hidden, hidden, bias=not eagle3)
         self.self_attn = Attention(cfg, TorchAttention(), 2 * hidden if eagle3 else None)
@@ -112,24 +113,9 @@ def load_head(
             continue
         if name == "t2d" or (name == "input_layernorm.weight" and not eagle3):
             continue  # t2d: the inverse map; EAGLE's layer 0 never applies its input norm
-        *prefix, proj, kind = name.split(".") if "." in name else ("", name, "")
-        rows = None
-        if proj in fused:
-            module, start, rows = fused[proj]
-            name = ".".join([*prefix, module, kind])
-        if name not in params:
-            raise ValueError(f"unexpected tensor {name!r} in the EAGLE head at {path}")
-        dest = params[name].data
-        if rows is not None:
-            dest = dest[start : start + rows]
-        if dest.shape != tensor.shape:
-            raise ValueError(
-                f"EAGLE head tensor {name!r} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(dest.shape)}"
-            )
-        dest.copy_(tensor)
+        copy_into(params, fused, name, tensor)
         seen.add(name)
-    missing = sorted(set(params) - seen)
+    missing = [c for n in params for c in checkpoint_names(n, fused) if c not in seen]
     if missing:
         raise ValueError(f"the EAGLE head at {path} lacks {missing}")
     return head, embed
@@ -155,12 +141,10 @@ class EagleDrafter:
         self.target_features = (
             ((1, layers // 2 - 1, layers - 4), False) if eagle3 else ((layers - 1,), True)
         )
-        raw = json.loads((path / "config.json").read_text())
-        kv_cfg = ModelConfig.from_hf(
-            {**raw, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1}
-        )
-        num_blocks = KVCache.blocks_for_memory(kv_cfg, int(kv_cache_gb * 2**30), block_size, dtype)
-        self.kv_cache = KVCache(kv_cfg, num_blocks, block_size, device, dtype)
+        head_cfg = self.head.config
+        memory = int(kv_cache_gb * 2**30)
+        num_blocks = KVCache.blocks_for_memory(head_cfg, memory, block_size, dtype)
+        self.kv_cache = KVCache(head_cfg, num_blocks, block_size, device, dtype)
         self.blocks = BlockManager(num_blocks, block_size)
         self.num_steps = cfg.speculative_num_steps
         self.topk = cfg.speculative_eagle_topk
