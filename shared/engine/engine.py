@@ -77,17 +77,14 @@ class LLMEngine:
             raise ValueError("EngineConfig.model must name a model directory or .gguf file")
         self.model = load_model(cfg.model, device, dtype, cfg.attention_backend)
         mcfg = self.model.config
-        num_blocks = KVCache.blocks_for_memory(
-            mcfg, int(cfg.kv_cache_gb * 2**30), cfg.block_size, dtype
-        )
+        self.kv_cache = KVCache.for_memory(mcfg, cfg.kv_cache_gb, cfg.block_size, device, dtype)
         self.max_model_len = min(
             cfg.max_model_len or mcfg.max_position_embeddings,
             mcfg.max_position_embeddings,
-            num_blocks * cfg.block_size,
+            self.kv_cache.num_blocks * cfg.block_size,
         )
         self.eos_token_ids = set(mcfg.eos_token_ids) | _generation_eos(Path(cfg.model))
-        self.kv_cache = KVCache(mcfg, num_blocks, cfg.block_size, device, dtype)
-        self.block_manager = BlockManager(num_blocks, cfg.block_size)
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.speculator: Speculator | None = None

@@ -21,12 +21,19 @@ class KVCache:
         self.storage = torch.zeros(shape, device=device, dtype=dtype)
         self.layers = [(layer[0], layer[1]) for layer in self.storage]
 
-    @staticmethod
-    def blocks_for_memory(
-        cfg: ModelConfig, memory_bytes: int, block_size: int, dtype: torch.dtype
-    ) -> int:
+    @classmethod
+    def for_memory(
+        cls,
+        cfg: ModelConfig,
+        memory_gb: float,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> KVCache:
+        """As many blocks as fit in `memory_gb` GiB."""
         per_block = cfg.kv_elements_per_token * block_size * dtype.itemsize
-        return max(1, memory_bytes // per_block)
+        num_blocks = max(1, int(memory_gb * 2**30) // per_block)
+        return cls(cfg, num_blocks, block_size, device, dtype)
 
     def copy_tokens(self, block_table: list[int], src: list[int], dst: list[int]) -> None:
         """Copy the K/V of token positions `src` to positions `dst` of one sequence, all layers

@@ -141,11 +141,8 @@ class EagleDrafter:
         self.target_features = (
             ((1, layers // 2 - 1, layers - 4), False) if eagle3 else ((layers - 1,), True)
         )
-        head_cfg = self.head.config
-        memory = int(kv_cache_gb * 2**30)
-        num_blocks = KVCache.blocks_for_memory(head_cfg, memory, block_size, dtype)
-        self.kv_cache = KVCache(head_cfg, num_blocks, block_size, device, dtype)
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.kv_cache = KVCache.for_memory(self.head.config, kv_cache_gb, block_size, device, dtype)
+        self.blocks = BlockManager(self.kv_cache.num_blocks, block_size)
         self.num_steps = cfg.speculative_num_steps
         self.topk = cfg.speculative_eagle_topk
         # Per request: all its tokens; the head's sequence of pairs, the first of which is

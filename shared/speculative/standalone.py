@@ -113,13 +113,9 @@ class DraftModelDrafter:
             model.lm_head = Linear(head.shape[1], head.shape[0], bias=False, device=device)
             model.lm_head.weight = torch.nn.Parameter(head.to(dtype), requires_grad=False)
             self.token_map = self.token_map.to(device)
-        num_blocks = KVCache.blocks_for_memory(
-            model.config, int(kv_cache_gb * 2**30), block_size, dtype
-        )
-        self.runner = ModelRunner(
-            model, KVCache(model.config, num_blocks, block_size, device, dtype)
-        )
-        self.blocks = BlockManager(num_blocks, block_size)
+        kv_cache = KVCache.for_memory(model.config, kv_cache_gb, block_size, device, dtype)
+        self.runner = ModelRunner(model, kv_cache)
+        self.blocks = BlockManager(kv_cache.num_blocks, block_size)
         self.num_steps = cfg.speculative_num_steps
         self.topk = cfg.speculative_eagle_topk
         self.seqs: dict[str, Sequence] = {}
