@@ -68,11 +68,20 @@ def option(default: Any, help: str) -> Any:
     return dataclasses.field(default=default, metadata={"help": help})
 
 
+def model_option() -> Any:
+    """The `--model` option, in every config that names the served model."""
+    return option(None, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
     """Expose each field of a config dataclass as `--field-name`, with its help text,
-    default, and a matching environment variable `SPECMESH_FIELD_NAME`."""
+    default, and a matching environment variable `SPECMESH_FIELD_NAME`. An option that
+    several configs share (`--model`) is added once and fills all of them."""
     hints = typing.get_type_hints(cls)
+    present = {action.dest for action in parser._actions}
     for f in dataclasses.fields(cls):
+        if f.name in present:
+            continue
         kind = hints[f.name]
         if isinstance(kind, types.UnionType):  # `X | None` options parse as X
             kind = next(a for a in typing.get_args(kind) if a is not type(None))
@@ -93,6 +102,21 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
                 default=None if default is None else kind(default),
                 help=help_text,
             )
+
+
+def dataclass_argv(config: Any) -> list[str]:
+    """Command-line flags that recreate `config`'s non-default fields (for child processes)."""
+    argv = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if value == f.default or value is None:
+            continue
+        flag = f"--{f.name.replace('_', '-')}"
+        if isinstance(value, bool):
+            argv.append(flag if value else f"--no-{f.name.replace('_', '-')}")
+        else:
+            argv += [flag, str(value)]
+    return argv
 
 
 def dataclass_from_args(cls: type[T], args: argparse.Namespace) -> T:

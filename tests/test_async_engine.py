@@ -25,7 +25,7 @@ def engine(smollm_dir: Path) -> Iterator[AsyncEngine]:
 
 async def collect(engine: AsyncEngine, rid: str, ids: list[int], n: int) -> list[int]:
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    return [out.token_id async for out in engine.generate(rid, ids, params)]
+    return [out.token_id async for step in engine.generate(rid, ids, params) for out in step]
 
 
 def test_concurrent_streams_match_offline_generation(engine: AsyncEngine, smollm_dir: Path) -> None:

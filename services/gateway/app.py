@@ -1,4 +1,4 @@
-"""The gateway's FastAPI app: OpenAI routes over a token-generating backend."""
+"""The gateway's FastAPI app: OpenAI routes over the services (see cluster.py)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,18 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from services.gateway.cluster import Cluster, Placement, Unavailable
 from services.gateway.protocol import ChatCompletionRequest
-from shared.engine.async_engine import AsyncEngine
-from shared.engine.engine import TokenOutput
-from shared.engine.speculation import SpecStats
+from shared.bus import BusError
+from shared.protocol import RemoteError, TextDelta, TokenizeRequest
 from shared.sampling.params import SamplingParams
-from shared.tokenizer import TextStream, Tokenizer
+from shared.telemetry import E2E, GENERATION_TOKENS, ITL, PROMPT_TOKENS, REQUESTS, TTFT
 
 
 class APIError(Exception):
@@ -33,6 +34,9 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param = status, message, type_, param
 
 
+_ERROR_TYPES = {404: "not_found_error", 503: "service_unavailable_error", 500: "server_error"}
+
+
 def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
@@ -43,7 +47,7 @@ def _sampling_params(req: ChatCompletionRequest) -> SamplingParams:
         raise APIError(400, "only n=1 is supported", param="n")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-    return SamplingParams(
+    params = SamplingParams(
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=req.top_k,
@@ -56,21 +60,33 @@ def _sampling_params(req: ChatCompletionRequest) -> SamplingParams:
         max_tokens=req.max_completion_tokens or req.max_tokens or 256,
         ignore_eos=req.ignore_eos,
     )
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+    return params
 
 
-def _logprob_entry(tokenizer: Tokenizer, out: TokenOutput) -> dict[str, Any]:
-    def item(token_id: int, logprob: float) -> dict[str, Any]:
-        text = tokenizer.decode([token_id], skip_special_tokens=False)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+class ServerStats:
+    """Totals over finished requests, for /get_server_info."""
 
-    entry = item(out.token_id, out.logprob if out.logprob is not None else 0.0)
-    entry["top_logprobs"] = [item(t, lp) for t, lp in out.top_logprobs or []]
-    return entry
+    def __init__(self) -> None:
+        self.requests = self.generated_tokens = 0
+        self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+
+    def add(self, usage_tokens: int, spec: dict[str, int] | None) -> None:
+        self.requests += 1
+        self.generated_tokens += usage_tokens
+        if spec:
+            self.spec_steps += spec["steps"]
+            self.spec_draft_tokens += spec["draft_tokens"]
+            self.spec_accepted_tokens += spec["accepted_tokens"]
 
 
-def build_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str) -> FastAPI:
+def build_app(cluster: Cluster, model_name: str, model_path: str) -> FastAPI:
     app = FastAPI(title="specmesh")
     created = int(time.time())
+    stats = ServerStats()
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -84,34 +100,43 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str) -> Fas
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        type_ = _ERROR_TYPES.get(exc.status_code, "invalid_request_error")
         return _error(exc.status_code, str(exc.detail), type_)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        """Ready when a decode worker is alive (503 otherwise, so orchestrators wait)."""
+        workers = len(cluster.live("decode"))
+        body = {"status": "ok" if workers else "no decode workers", "decode_workers": workers}
+        return JSONResponse(body, status_code=200 if workers else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
-        """Engine state in SGLang's shape (bench_serving reads avg_spec_accept_length)."""
-        llm = engine.engine
+        """State in SGLang's shape (bench_serving reads avg_spec_accept_length)."""
+        decoders = [i.heartbeat for i in cluster.live("decode")]
         state: dict[str, Any] = {
-            "steps": llm.stats.steps,
-            "generated_tokens": llm.stats.generated_tokens,
-            "kv_blocks_free": llm.block_manager.num_free,
-            "kv_blocks_total": llm.kv_cache.num_blocks,
-            "prefix_reused_tokens": llm.block_manager.reused_tokens,
+            "finished_requests": stats.requests,
+            "generated_tokens": stats.generated_tokens,
+            "kv_blocks_free": sum(h.kv_blocks_free for h in decoders),
+            "kv_blocks_total": sum(h.kv_blocks_total for h in decoders),
+            "instances": {kind: len(cluster.live(kind)) for kind in ("decode", "drafter")},
         }
-        if llm.speculator is not None:
-            spec = llm.speculator.stats
+        algorithms = {h.algorithm for h in decoders if h.algorithm}
+        if algorithms:
             state.update(
-                speculative_algorithm=llm.speculator.cfg.speculative_algorithm,
-                avg_spec_accept_length=spec.acceptance_length,
-                spec_verify_steps=spec.steps,
-                spec_draft_tokens=spec.draft_tokens,
-                spec_accepted_tokens=spec.accepted_tokens,
+                speculative_algorithm=",".join(sorted(algorithms)),
+                avg_spec_accept_length=(
+                    1 + stats.spec_accepted_tokens / stats.spec_steps if stats.spec_steps else 0.0
+                ),
+                spec_verify_steps=stats.spec_steps,
+                spec_draft_tokens=stats.spec_draft_tokens,
+                spec_accepted_tokens=stats.spec_accepted_tokens,
             )
-        return {"model_path": llm.cfg.model, "internal_states": [state]}
+        return {"model_path": model_path, "internal_states": [state]}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -120,97 +145,103 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str) -> Fas
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+        arrival = time.perf_counter()
         if req.model not in (None, "", model_name):
             raise APIError(404, f"model {req.model!r} not found", "not_found_error", "model")
         params = _sampling_params(req)
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
-        try:
-            prompt_ids = tokenizer.encode_chat(messages, **(req.chat_template_kwargs or {}))
-        except Exception as exc:  # template errors are the caller's input
-            raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stop = [req.stop] if isinstance(req.stop, str) else req.stop
-        stream = TextStream(tokenizer, prompt_ids, stop)
+        tokenize = TokenizeRequest(
+            request_id, messages=messages, chat_template_kwargs=req.chat_template_kwargs, stop=stop
+        )
         try:
-            tokens = engine.generate(request_id, prompt_ids, params)
-            first = await anext(tokens)  # surfaces a rejected request before any response
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from exc
+            placement, deltas = await cluster.submit(tokenize, params)
+        except RemoteError as exc:
+            type_ = _ERROR_TYPES.get(exc.status, "invalid_request_error")
+            raise APIError(exc.status, str(exc), type_) from exc
+        except (Unavailable, BusError) as exc:
+            raise APIError(503, str(exc), "service_unavailable_error") from exc
+        timed = _timed(deltas, arrival, stats)
         common = {"id": request_id, "created": int(time.time()), "model": model_name}
+        headers = {"x-request-id": request_id}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunks = _stream_chunks(
-                tokenizer,
-                stream,
-                first,
-                tokens,
-                common,
-                len(prompt_ids),
-                req.logprobs,
-                include_usage,
-            )
-            return StreamingResponse(chunks, media_type="text/event-stream")
-        text, logprobs, finish_reason, completion_tokens = "", [], None, 0
-        spec: SpecStats | None = None
-        async for out in _until_stop(first, tokens, stream):
-            text += stream.push([out.token_id])
-            completion_tokens += 1
-            if req.logprobs:
-                logprobs.append(_logprob_entry(tokenizer, out))
-            finish_reason = "stop" if stream.stopped else out.finish_reason
-            spec = out.spec or spec
-        text += stream.flush()
+            chunks = _stream_chunks(timed, common, placement, req.logprobs, include_usage)
+            return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
+        text, logprobs, last = "", [], None
+        completion_tokens = 0
+        async for delta in timed:
+            text += delta.text
+            completion_tokens += delta.num_tokens
+            logprobs += delta.logprobs or []
+            last = delta
+        assert last is not None
+        if last.finish_reason == "error":
+            raise APIError(500, last.error or "generation failed", "server_error")
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
             "logprobs": {"content": logprobs} if req.logprobs else None,
-            "finish_reason": finish_reason,
+            "finish_reason": last.finish_reason,
         }
         body = {**common, "object": "chat.completion", "choices": [choice]}
-        body["usage"] = _usage(len(prompt_ids), completion_tokens)
-        if spec is not None:  # per-request speculation, in the shape vLLM reports it
+        body["usage"] = _usage(placement, completion_tokens)
+        if last.spec is not None:  # per-request speculation, in the shape vLLM reports it
+            spec = last.spec
             body["metrics"] = {
                 "speculative_decoding": {
-                    "num_verify_steps": spec.steps,
-                    "num_draft_tokens": spec.draft_tokens,
-                    "num_accepted_tokens": spec.accepted_tokens,
-                    "mean_acceptance_length": spec.acceptance_length,
+                    "num_verify_steps": spec["steps"],
+                    "num_draft_tokens": spec["draft_tokens"],
+                    "num_accepted_tokens": spec["accepted_tokens"],
+                    "mean_acceptance_length": (
+                        1 + spec["accepted_tokens"] / spec["steps"] if spec["steps"] else 0.0
+                    ),
                 }
             }
-        return JSONResponse(body)
+        return JSONResponse(body, headers=headers)
 
     return app
 
 
-async def _until_stop(
-    first: TokenOutput, rest: AsyncIterator[TokenOutput], stream: TextStream
-) -> AsyncIterator[TokenOutput]:
-    """The request's tokens, ending early (which aborts it) once a stop string matched."""
-    yield first
-    if first.finish_reason is not None:
-        return
-    async for out in rest:
-        if stream.stopped:
-            break
-        yield out
-    await rest.aclose()
+async def _timed(
+    deltas: AsyncIterator[TextDelta], arrival: float, stats: ServerStats
+) -> AsyncIterator[TextDelta]:
+    """The request's deltas, recording TTFT, inter-token latency and totals."""
+    last_time, tokens = None, 0
+    async for delta in deltas:
+        now = time.perf_counter()
+        if delta.num_tokens:
+            if last_time is None:
+                TTFT.observe(now - arrival)
+            else:
+                for _ in range(delta.num_tokens):  # tokens of one step arrive together
+                    ITL.observe((now - last_time) / delta.num_tokens)
+            last_time = now
+        tokens += delta.num_tokens
+        if delta.finish_reason is not None:
+            REQUESTS.labels("error" if delta.finish_reason == "error" else "ok").inc()
+            E2E.observe(now - arrival)
+            PROMPT_TOKENS.inc(delta.num_prompt_tokens)
+            GENERATION_TOKENS.inc(tokens)
+            stats.add(tokens, delta.spec)
+        yield delta
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def _usage(placement: Placement, completion_tokens: int) -> dict[str, Any]:
+    prompt_tokens = len(placement.prompt_ids)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": prompt_tokens - placement.num_computed_tokens},
     }
 
 
 async def _stream_chunks(
-    tokenizer: Tokenizer,
-    stream: TextStream,
-    first: TokenOutput,
-    tokens: AsyncIterator[TokenOutput],
+    deltas: AsyncIterator[TextDelta],
     common: dict[str, Any],
-    prompt_tokens: int,
+    placement: Placement,
     want_logprobs: bool,
     include_usage: bool,
 ) -> AsyncIterator[str]:
@@ -218,22 +249,26 @@ async def _stream_chunks(
         body = {**common, "object": "chat.completion.chunk", "choices": choices, **extra}
         return f"data: {json.dumps(body)}\n\n"
 
-    role_sent, completion_tokens, finish_reason = False, 0, None
-    async for out in _until_stop(first, tokens, stream):
-        completion_tokens += 1
-        text = stream.push([out.token_id])
-        finish_reason = "stop" if stream.stopped else out.finish_reason
-        if finish_reason is not None:
-            text += stream.flush()
-        if not text and not want_logprobs and finish_reason is None:
+    role_sent, completion_tokens = False, 0
+    async for delta in deltas:
+        completion_tokens += delta.num_tokens
+        if delta.finish_reason == "error":
+            error = {"message": delta.error, "type": "server_error", "param": None, "code": 500}
+            yield f"data: {json.dumps({'error': error})}\n\n"
+            break
+        if not delta.text and not want_logprobs and delta.finish_reason is None:
             continue
-        delta: dict[str, Any] = {"content": text}
+        content: dict[str, Any] = {"content": delta.text}
         if not role_sent:
-            delta, role_sent = {"role": "assistant", **delta}, True
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+            content, role_sent = {"role": "assistant", **content}, True
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": content,
+            "finish_reason": delta.finish_reason,
+        }
         if want_logprobs:
-            choice["logprobs"] = {"content": [_logprob_entry(tokenizer, out)]}
+            choice["logprobs"] = {"content": delta.logprobs or []}
         yield sse([choice])
     if include_usage:
-        yield sse([], usage=_usage(prompt_tokens, completion_tokens))
+        yield sse([], usage=_usage(placement, completion_tokens))
     yield "data: [DONE]\n\n"

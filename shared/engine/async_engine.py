@@ -11,12 +11,13 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from shared.engine.engine import LLMEngine, TokenOutput
+from shared.engine.engine import FirstToken, LLMEngine, TokenOutput
+from shared.engine.sequence import RemotePrefix
 from shared.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-_Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[TokenOutput | Exception]"]
+_Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[list[TokenOutput] | Exception]"]
 
 
 class AsyncEngine:
@@ -36,23 +37,29 @@ class AsyncEngine:
         self._wake.set()
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[TokenOutput]:
-        """Stream the request's tokens. Raises ValueError for a request that cannot run;
-        leaving the iteration early (client gone) aborts the request."""
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        remote_kv: RemotePrefix | None = None,
+        first: FirstToken | None = None,
+    ) -> AsyncIterator[list[TokenOutput]]:
+        """Stream the request's tokens, each step's together (several when drafts were
+        accepted). Raises ValueError for a request that cannot run; leaving the
+        iteration early (client gone) aborts the request. See LLMEngine.add_request."""
         self.engine.check_request(prompt_ids, params)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
-        queue: asyncio.Queue[TokenOutput | Exception] = asyncio.Queue()
+        queue: asyncio.Queue[list[TokenOutput] | Exception] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        self._post(lambda: self._add(request_id, prompt_ids, params))
+        self._post(lambda: self._add(request_id, prompt_ids, params, remote_kv, first))
         finished = False
         try:
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
-                finished = item.finish_reason is not None
+                finished = item[-1].finish_reason is not None
                 yield item
         finally:
             self._streams.pop(request_id, None)
@@ -64,13 +71,23 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=5)
 
-    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _add(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        remote_kv: RemotePrefix | None,
+        first: FirstToken | None,
+    ) -> None:
         try:
-            self.engine.add_request(request_id, prompt_ids, params)
+            outputs = self.engine.add_request(request_id, prompt_ids, params, remote_kv, first)
         except ValueError as exc:
             self._deliver(request_id, exc)
+            return
+        if outputs:
+            self._deliver(request_id, outputs)
 
-    def _deliver(self, request_id: str, item: TokenOutput | Exception) -> None:
+    def _deliver(self, request_id: str, item: list[TokenOutput] | Exception) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
             loop, queue = stream
@@ -94,5 +111,8 @@ class AsyncEngine:
                     self.engine.abort(request_id)
                     self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
                 continue
+            by_request: dict[str, list[TokenOutput]] = {}
             for out in outputs:
-                self._deliver(out.request_id, out)
+                by_request.setdefault(out.request_id, []).append(out)
+            for request_id, items in by_request.items():
+                self._deliver(request_id, items)

@@ -3,29 +3,36 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.config import option, resolve_device, resolve_dtype
+import torch
+
+from shared.config import model_option, option, resolve_device, resolve_dtype
 from shared.engine.model_runner import ModelRunner
 from shared.engine.scheduler import Scheduler
-from shared.engine.sequence import Sequence
-from shared.engine.speculation import SpecStats, Speculator
+from shared.engine.sequence import RemotePrefix, Sequence, SequenceStatus
+from shared.engine.speculation import PendingDrafts, SpecStats, Speculator
 from shared.kvcache.block_manager import BlockManager
+from shared.kvcache.exchange import KVExchange
 from shared.kvcache.kv_cache import KVCache
 from shared.model.loader import load_model
 from shared.sampling.params import SamplingParams
 from shared.sampling.sampler import make_generator
 from shared.speculative.config import SpeculativeConfig
-from shared.speculative.drafter import make_drafter
+from shared.speculative.drafter import Drafter, make_drafter
+from shared.speculative.tree import DraftTree
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class EngineConfig:
     """Engine settings; each field is also a command-line option (see shared.config)."""
 
-    model: str = option(None, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    model: str = model_option()
     device: str | None = option(None, "cpu, cuda, cuda:N (default: cuda when available)")
     dtype: str | None = option(None, "float32, bfloat16, float16 (default: fp32 CPU, bf16 GPU)")
     block_size: int = option(16, "tokens per KV-cache block")
@@ -53,11 +60,22 @@ class TokenOutput:
 
 
 @dataclass
+class FirstToken:
+    """A request's first token, sampled where its prompt was prefilled."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    generator_state: bytes | None = None  # the seeded generator after drawing it
+
+
+@dataclass
 class EngineStats:
     steps: int = 0
     computed_tokens: int = 0  # tokens forwarded through the model (prefill and decode)
     generated_tokens: int = 0
     step_seconds: float = 0.0
+    draft_wait_seconds: float = 0.0  # waiting for drafts (a drafter in another process)
 
 
 def _generation_eos(model_dir: Path) -> set[int]:
@@ -69,7 +87,16 @@ def _generation_eos(model_dir: Path) -> set[int]:
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig, spec: SpeculativeConfig | None = None) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        spec: SpeculativeConfig | None = None,
+        drafter: Drafter | None = None,
+        overlap: bool = False,
+    ) -> None:
+        """`drafter` replaces the one `spec` names (a drafter service's client). With
+        `overlap`, sequences alternate between two batches, and one batch's drafts are
+        made while the other is verified (useful when the drafter is another process)."""
         self.cfg = cfg
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
@@ -90,11 +117,16 @@ class LLMEngine:
         self.speculator: Speculator | None = None
         if spec is not None and spec.enabled:
             spec = spec.resolved()
-            drafter = make_drafter(spec, self.model)
+            drafter = drafter or make_drafter(spec, self.model)
             self.runner.feature_layers, self.runner.feature_normed = drafter.target_features
             self.speculator = Speculator(spec, drafter, self.kv_cache, self.block_manager)
         self.sequences: dict[str, Sequence] = {}
         self.stats = EngineStats()
+        self.kv_exchange: KVExchange | None = None  # set where prompts arrive prefilled
+        self.overlap = overlap and self.speculator is not None
+        self._next_lane = 0
+        self._lane = 0
+        self._pending: dict[int, tuple[list[tuple[Sequence, int]], PendingDrafts]] = {}
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError with a user-facing message if the request cannot run."""
@@ -110,17 +142,37 @@ class LLMEngine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        remote_kv: RemotePrefix | None = None,
+        first: FirstToken | None = None,
+    ) -> list[TokenOutput]:
+        """Queue a request. `remote_kv`: its prompt's K/V (or a prefix of it) waits in the
+        KV transport. `first`: its first token was sampled already (returned as output)."""
         self.check_request(prompt_ids, params)
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already running")
+        if remote_kv is not None and self.kv_exchange is None:
+            raise ValueError("this engine has no KV transport to load a prefilled prompt from")
         seq = Sequence(
             request_id, list(prompt_ids), params, make_generator(params.seed, self.runner.device)
         )
+        seq.remote_kv, seq.lane = remote_kv, self._next_lane
+        self._next_lane ^= self.overlap
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
-        if self.speculator:
+        outputs = []
+        if first is not None:
+            if first.generator_state is not None and seq.generator is not None:
+                state = torch.frombuffer(bytearray(first.generator_state), dtype=torch.uint8)
+                seq.generator.set_state(state)
+            outputs = self._emit(seq, [first.token_id], first.logprob, first.top_logprobs)
+        if self.speculator and seq.status is not SequenceStatus.FINISHED:
             self.speculator.open(seq)
+        return outputs
 
     def abort(self, request_id: str) -> bool:
         seq = self.sequences.get(request_id)
@@ -130,7 +182,7 @@ class LLMEngine:
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._pending)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -140,12 +192,61 @@ class LLMEngine:
             return "length"
         return None
 
+    def _schedule(self, lane: int | None = None) -> list[tuple[Sequence, int]]:
+        """The scheduler's batch, with K/V prefilled elsewhere loaded instead of computed."""
+        batch = self.scheduler.schedule(lane)
+        for i, (seq, num) in enumerate(batch):
+            remote, seq.remote_kv = seq.remote_kv, None  # a recompute after preemption computes
+            if remote is None or remote.num_tokens <= seq.num_computed_tokens:
+                continue
+            bs, computed_before = self.block_manager.block_size, seq.num_computed_tokens
+            try:
+                self.kv_exchange.load(seq.block_table, remote.keys, computed_before // bs)
+            except (KeyError, ConnectionError) as exc:  # expired or unreachable: compute it
+                log.warning("request %s: computing its prompt here: %s", seq.request_id, exc)
+                continue
+            seq.num_computed_tokens = seq.num_reused_tokens = remote.num_tokens
+            self.block_manager.seal(seq, computed_before)
+            batch[i] = (seq, min(num, seq.num_uncomputed))
+        return batch
+
     def step(self) -> list[TokenOutput]:
-        batch = self.scheduler.schedule()
+        if self.overlap:
+            return self._step_overlapped()
+        batch = self._schedule()
         if not batch:
             return []
+        trees = self._collect(self.speculator.submit(batch)) if self.speculator else {}
+        return self._run(batch, trees)
+
+    def _step_overlapped(self) -> list[TokenOutput]:
+        """Run one lane's batch; before it, start drafting the other lane's next batch,
+        so a drafter in another process works while this one is verified."""
+        lane, other = self._lane, self._lane ^ 1
+        self._lane = other
+        if lane in self._pending:
+            batch, pending = self._pending.pop(lane)
+            batch = [(s, n) for s, n in batch if s.status is SequenceStatus.RUNNING]
+        else:
+            batch = self._schedule(lane)
+            pending = self.speculator.submit(batch)
+        if other not in self._pending:
+            next_batch = self._schedule(other)
+            if next_batch:
+                self._pending[other] = (next_batch, self.speculator.submit(next_batch))
+        trees = self._collect(pending)
+        return self._run(batch, trees) if batch else []
+
+    def _collect(self, pending: PendingDrafts) -> dict[Sequence, DraftTree]:
         start = time.perf_counter()
-        trees = self.speculator.draft(batch) if self.speculator else {}
+        trees = self.speculator.collect(pending)
+        self.stats.draft_wait_seconds += time.perf_counter() - start
+        return trees
+
+    def _run(
+        self, batch: list[tuple[Sequence, int]], trees: dict[Sequence, DraftTree]
+    ) -> list[TokenOutput]:
+        start = time.perf_counter()
         result = self.runner.step(batch, trees)
         self.stats.steps += 1
         self.stats.computed_tokens += sum(len(trees[s]) if s in trees else n for s, n in batch)

@@ -3,6 +3,10 @@
 Running sequences go first, oldest first; a prompt longer than the step's
 token budget is prefilled in chunks over several steps. When the KV cache
 runs out, the newest running sequence is preempted and later recomputed.
+
+With lanes (overlapped speculation) each call schedules one lane's sequences:
+a sequence keeps the lane it was given, and preemption stays within the lane,
+so a batch scheduled for one lane is untouched while the other lane runs.
 """
 
 from __future__ import annotations
@@ -46,17 +50,19 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
+    def schedule(self, lane: int | None = None) -> list[tuple[Sequence, int]]:
+        """The sequences to run next (of `lane` only, if given) and how many tokens each."""
         budget = self.max_num_batched_tokens
         batch: list[tuple[Sequence, int]] = []
         preempted = False
-        for seq in list(self.running):
+        running = [s for s in self.running if lane is None or s.lane == lane]
+        for seq in running:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             while not self.block_manager.can_grow(seq, 0):
-                victim = self.running[-1]
+                victim = next(s for s in reversed(self.running) if lane is None or s.lane == lane)
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -66,13 +72,15 @@ class Scheduler:
                 num = min(seq.num_uncomputed, budget)
                 batch.append((seq, num))
                 budget -= num
-        while self.waiting and budget and not preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        waiting = [s for s in self.waiting if lane is None or s.lane == lane]
+        for seq in waiting:
+            if preempted or not budget or len(self.running) >= self.max_num_seqs:
+                break
             # Keep a block of headroom per running sequence so admission does not
             # immediately force a preemption on the next decode step.
             if not self.block_manager.can_allocate(seq, reserve=len(self.running)):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -10,6 +10,15 @@ import torch
 from shared.sampling.params import SamplingParams
 
 
+@dataclass
+class RemotePrefix:
+    """K/V of a sequence's first `num_tokens` tokens, in the KV transport under `keys`
+    (one per block, the last one possibly partial)."""
+
+    keys: list[str]
+    num_tokens: int
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -29,6 +38,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_reused_tokens: int = 0  # prompt tokens taken from the prefix cache
+    lane: int = 0  # overlapped speculation: which of the two alternating batches
+    # K/V of a prefix computed elsewhere (prefill service), loaded instead of computed.
+    remote_kv: RemotePrefix | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

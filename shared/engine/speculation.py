@@ -10,11 +10,13 @@ or logprobs decode without drafts.
 
 from __future__ import annotations
 
+import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
-from shared.engine.sequence import Sequence
+from shared.engine.sequence import Sequence, SequenceStatus
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.kv_cache import KVCache
 from shared.sampling.params import SamplingParams
@@ -40,6 +42,17 @@ class SpecStats:
         self.steps += 1
         self.draft_tokens += drafts
         self.accepted_tokens += accepted
+
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingDrafts:
+    """Drafts requested for `seqs`, in order; they arrive in `trees`."""
+
+    seqs: list[Sequence]
+    trees: Future[list[DraftTree]] | None
 
 
 @dataclass
@@ -88,8 +101,8 @@ class Speculator:
         self.drafter.close(seq.request_id)
         return state.stats
 
-    def draft(self, batch: list[tuple[Sequence, int]]) -> dict[Sequence, DraftTree]:
-        """Draft trees for the sequences of `batch` that decode this step."""
+    def submit(self, batch: list[tuple[Sequence, int]]) -> PendingDrafts:
+        """Ask the drafter for trees for the sequences of `batch` that decode next."""
         seqs, requests = [], []
         for seq, _ in batch:
             state = self.requests.get(seq.request_id)
@@ -109,9 +122,25 @@ class Speculator:
             state.features_start = state.features_end
             state.num_synced = len(seq)
             seqs.append(seq)
+        return PendingDrafts(seqs, self.drafter.submit(requests) if requests else None)
+
+    def collect(self, pending: PendingDrafts) -> dict[Sequence, DraftTree]:
+        """The submitted trees, for sequences still running with room for them. If the
+        drafter failed, its sequences go on without speculation (output is unchanged)."""
+        if pending.trees is None:
+            return {}
+        try:
+            proposed = pending.trees.result()
+        except Exception as exc:
+            log.warning("drafting failed (%s); %d requests go on without", exc, len(pending.seqs))
+            for seq in pending.seqs:
+                self.close(seq)
+            return {}
         trees = {}
-        for seq, tree in zip(seqs, self.drafter.propose(requests) if requests else [], strict=True):
-            if len(tree) > 1:
+        for seq, tree in zip(pending.seqs, proposed, strict=True):
+            if seq.status is not SequenceStatus.RUNNING or seq.request_id not in self.requests:
+                continue
+            if len(tree) > 1 and self.block_manager.can_grow(seq, len(tree) - 1):
                 self.block_manager.ensure_capacity(seq, len(tree) - 1)
                 trees[seq] = tree
         return trees

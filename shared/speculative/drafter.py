@@ -9,6 +9,7 @@ per step, and a model-based drafter can run one forward for all requests.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,10 +39,38 @@ class Drafter(Protocol):
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]: ...
 
+    def submit(self, requests: list[DraftRequest]) -> Future[list[DraftTree]]:
+        """Start `propose`; a drafter in another process returns before the trees exist,
+        so the caller can verify other sequences meanwhile."""
+        ...
+
     def close(self, request_id: str) -> None: ...
 
 
-def make_drafter(cfg: SpeculativeConfig, target: LlamaForCausalLM) -> Drafter:
+class LocalDrafter:
+    """Base of drafters in the caller's process: drafting is done when `submit` returns."""
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        raise NotImplementedError
+
+    def submit(self, requests: list[DraftRequest]) -> Future[list[DraftTree]]:
+        done: Future[list[DraftTree]] = Future()
+        done.set_result(self.propose(requests))
+        return done
+
+
+def target_feature_layers(algorithm: str, num_layers: int) -> tuple[tuple[int, ...], bool]:
+    """Target layers whose outputs an EAGLE head reads, and whether the one is final-normed:
+    EAGLE reads the final normed hidden state, EAGLE-3 layers 1, L/2-1 and L-4."""
+    if algorithm == "EAGLE3":
+        return (1, num_layers // 2 - 1, num_layers - 4), False
+    if algorithm == "EAGLE":
+        return (num_layers - 1,), True
+    return (), False
+
+
+def make_drafter(cfg: SpeculativeConfig, target: LlamaForCausalLM | None) -> Drafter:
+    """The drafter `cfg` names; model drafters need the target (NGRAM does not)."""
     algo = cfg.speculative_algorithm
     if algo == "NGRAM":
         from shared.speculative.ngram import NgramDrafter
@@ -50,7 +79,9 @@ def make_drafter(cfg: SpeculativeConfig, target: LlamaForCausalLM) -> Drafter:
     if algo == "STANDALONE":
         from shared.speculative.standalone import DraftModelDrafter
 
+        assert target is not None
         return DraftModelDrafter(cfg, target)
     from shared.speculative.eagle import EagleDrafter
 
+    assert target is not None
     return EagleDrafter(cfg, target)

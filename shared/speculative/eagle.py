@@ -32,7 +32,7 @@ from shared.model.llama import MLP, Attention, Linear, LlamaForCausalLM, RMSNorm
 from shared.model.loader import checkpoint_names, copy_into, fused_slices
 from shared.model.rope import rope_cos_sin
 from shared.speculative.config import SpeculativeConfig
-from shared.speculative.drafter import DraftRequest
+from shared.speculative.drafter import DraftRequest, LocalDrafter, target_feature_layers
 from shared.speculative.standalone import DRAFT_PARAMS, TreeSearch
 from shared.speculative.tree import DraftTree
 
@@ -121,7 +121,7 @@ def load_head(
     return head, embed
 
 
-class EagleDrafter:
+class EagleDrafter(LocalDrafter):
     def __init__(
         self,
         cfg: SpeculativeConfig,
@@ -137,9 +137,8 @@ class EagleDrafter:
         self.head = head.to(device, dtype).eval()
         self.embed = embed.to(device, dtype) if embed is not None else weight
         self.target = target
-        layers = target.config.num_layers
-        self.target_features = (
-            ((1, layers // 2 - 1, layers - 4), False) if eagle3 else ((layers - 1,), True)
+        self.target_features = target_feature_layers(
+            cfg.speculative_algorithm, target.config.num_layers
         )
         self.kv_cache = KVCache.for_memory(self.head.config, kv_cache_gb, block_size, device, dtype)
         self.blocks = BlockManager(self.kv_cache.num_blocks, block_size)

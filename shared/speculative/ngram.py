@@ -15,7 +15,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from shared.speculative.config import SpeculativeConfig
-from shared.speculative.drafter import DraftRequest
+from shared.speculative.drafter import DraftRequest, LocalDrafter
 from shared.speculative.tree import DraftTree
 
 
@@ -60,7 +60,7 @@ class NgramTrie:
         return None
 
 
-class NgramDrafter:
+class NgramDrafter(LocalDrafter):
     target_features: tuple[tuple[int, ...], bool] = ((), False)
 
     def __init__(self, cfg: SpeculativeConfig) -> None:

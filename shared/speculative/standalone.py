@@ -26,7 +26,7 @@ from shared.model.llama import Linear, LlamaForCausalLM
 from shared.model.loader import load_model
 from shared.sampling.params import SamplingParams
 from shared.speculative.config import SpeculativeConfig
-from shared.speculative.drafter import DraftRequest
+from shared.speculative.drafter import DraftRequest, LocalDrafter
 from shared.speculative.tree import DraftTree, ancestor_mask
 
 DRAFT_PARAMS = SamplingParams(temperature=0.0)
@@ -87,7 +87,7 @@ def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
     return torch.unique(ids)
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(LocalDrafter):
     target_features: tuple[tuple[int, ...], bool] = ((), False)
 
     def __init__(

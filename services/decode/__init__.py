@@ -1,0 +1,1 @@
+"""Decode service: the target with a paged KV cache, continuous batching and verification."""

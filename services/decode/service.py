@@ -1,0 +1,217 @@
+"""The decode service: admitted requests arrive prefilled, tokens leave per step.
+
+A decode worker loads a request's prompt K/V from the transport (blocks its own
+prefix cache holds are skipped), emits the first token prefill sampled, then
+decodes it with continuous batching. With speculation, drafts come from the
+request's drafter instance; with `--overlap` the worker keeps two
+micro-batches in flight so one is drafted while the other is verified.
+Each step's tokens go to the request's detokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from pathlib import Path
+
+from opentelemetry import context as otel_context
+
+from services.decode.drafter_client import DrafterClient
+from shared.config import option
+from shared.engine.async_engine import AsyncEngine
+from shared.engine.engine import EngineConfig, FirstToken, LLMEngine, TokenOutput
+from shared.engine.sequence import RemotePrefix, Sequence
+from shared.kvcache.exchange import KVExchange, model_fingerprint
+from shared.model.config import ModelConfig
+from shared.model.fetch import resolve_model
+from shared.protocol import (
+    ABORT,
+    Abort,
+    AdmitRequest,
+    Admitted,
+    Heartbeat,
+    TokenBatch,
+    decode_subject,
+)
+from shared.service import Service, ServiceConfig
+from shared.speculative.config import SpeculativeConfig
+from shared.speculative.tree import DraftTree
+from shared.telemetry import (
+    ACTIVE_REQUESTS,
+    DRAFT_WAIT_SECONDS,
+    KV_BLOCKS_FREE,
+    KV_BLOCKS_USED,
+    QUEUE_LENGTH,
+    SPEC_ACCEPTANCE_LENGTH,
+    SPEC_ACCEPTED_TOKENS,
+    SPEC_DRAFT_TOKENS,
+    SPEC_VERIFY_STEPS,
+    VERIFY_SECONDS,
+)
+from shared.transport import TransportConfig
+
+
+@dataclass
+class DecodeConfig:
+    overlap: bool = option(
+        True, "keep two micro-batches in flight: one is drafted while the other is verified"
+    )
+    draft_timeout: float = option(10.0, "seconds to wait for a drafter's trees")
+
+
+class DecodeEngine(LLMEngine):
+    """The engine, timing each forward step for /metrics."""
+
+    def _run(
+        self, batch: list[tuple[Sequence, int]], trees: dict[Sequence, DraftTree]
+    ) -> list[TokenOutput]:
+        start = time.perf_counter()
+        outputs = super()._run(batch, trees)
+        VERIFY_SECONDS.observe(time.perf_counter() - start)
+        return outputs
+
+
+class DecodeService(Service):
+    kind = "decode"
+
+    def __init__(
+        self,
+        cfg: ServiceConfig,
+        ecfg: EngineConfig,
+        spec: SpeculativeConfig,
+        tcfg: TransportConfig,
+        dcfg: DecodeConfig,
+    ) -> None:
+        super().__init__(cfg)
+        self.spec = spec.resolved() if spec.enabled else None
+        ecfg.model = str(resolve_model(ecfg.model))
+        self.ecfg, self.dcfg = ecfg, dcfg
+        self.transport = tcfg.open()
+        self.ttl_s = tcfg.kv_ttl
+        self.streams: dict[str, asyncio.Task[None]] = {}
+
+    async def start(self) -> None:
+        # The drafter client needs the running loop, so the engine is built here.
+        loop = asyncio.get_running_loop()
+        self.client: DrafterClient | None = None
+        if self.spec is not None:
+            mcfg = ModelConfig.from_file(Path(self.ecfg.model) / "config.json")
+            algorithm = self.spec.speculative_algorithm
+            self.client = DrafterClient(
+                self.bus, loop, algorithm, mcfg.num_layers, mcfg.vocab_size, self.dcfg.draft_timeout
+            )
+        engine = DecodeEngine(self.ecfg, self.spec, self.client, self.dcfg.overlap)
+        fingerprint = model_fingerprint(engine.model, self.ecfg.block_size)
+        engine.kv_exchange = KVExchange(
+            engine.kv_cache, self.transport, fingerprint, self.ttl_s, self.kind
+        )
+        self.engine = engine
+        self.driver = AsyncEngine(engine)
+        self._draft_wait_reported = 0.0
+        await self.bus.serve(decode_subject(self.instance_id), self.admit)
+        await self.bus.serve(ABORT, self.abort)
+
+    async def stop(self) -> None:
+        for task in list(self.streams.values()):
+            task.cancel()
+        self.driver.shutdown()
+        self.transport.close()
+
+    def heartbeat(self) -> Heartbeat:
+        engine = self.engine
+        blocks = engine.block_manager
+        waiting = len(engine.scheduler.waiting)
+        QUEUE_LENGTH.labels(self.kind).set(waiting)
+        ACTIVE_REQUESTS.labels(self.kind).set(len(self.streams))
+        KV_BLOCKS_FREE.labels(self.kind).set(blocks.num_free)
+        KV_BLOCKS_USED.labels(self.kind).set(len(blocks.blocks) - blocks.num_free)
+        waited = engine.stats.draft_wait_seconds
+        DRAFT_WAIT_SECONDS.inc(waited - self._draft_wait_reported)
+        self._draft_wait_reported = waited
+        return Heartbeat(
+            self.kind,
+            self.instance_id,
+            self.metrics_url,
+            active_requests=len(self.streams),
+            waiting_requests=waiting,
+            kv_blocks_free=blocks.num_free,
+            kv_blocks_total=len(blocks.blocks),
+            algorithm=self.spec.speculative_algorithm if self.spec else None,
+        )
+
+    async def admit(self, req: AdmitRequest) -> Admitted:
+        if req.request_id in self.streams:
+            raise ValueError(f"request {req.request_id} is already decoding here")
+        self.engine.check_request(req.prompt_ids, req.params)
+        pre = req.prefill
+        ctx = otel_context.get_current()
+        if self.client is not None:
+            self.client.assign(req.request_id, req.drafter_id, ctx)
+        stream = self.driver.generate(
+            req.request_id,
+            req.prompt_ids,
+            req.params,
+            RemotePrefix(pre.kv_keys, len(req.prompt_ids)),
+            FirstToken(pre.first_token, pre.logprob, pre.top_logprobs, pre.generator_state),
+        )
+        task = asyncio.create_task(self._forward(req, stream, ctx))
+        self.streams[req.request_id] = task
+        task.add_done_callback(lambda _: self.streams.pop(req.request_id, None))
+        return Admitted(self.instance_id)
+
+    async def abort(self, msg: Abort) -> None:
+        task = self.streams.get(msg.request_id)
+        if task is not None:
+            task.cancel()  # leaving the stream aborts the request in the engine
+
+    async def _forward(
+        self,
+        req: AdmitRequest,
+        stream: AsyncGenerator[list[TokenOutput], None],
+        ctx: otel_context.Context,
+    ) -> None:
+        cached = len(req.prompt_ids) - req.prefill.num_computed_tokens
+        want_logprobs = req.params.logprobs is not None
+        try:
+            async for outputs in stream:
+                batch = _batch(req, outputs, cached, want_logprobs)
+                await self.bus.publish(req.detok_subject, batch, ctx)
+                if batch.spec is not None:
+                    self._count_speculation(batch.spec)
+        except asyncio.CancelledError:
+            await stream.aclose()
+        except Exception as exc:  # the engine failed this request: say so downstream
+            failed = TokenBatch(
+                req.request_id, req.output_subject, [], finish_reason="error", error=str(exc)
+            )
+            await self.bus.publish(req.detok_subject, failed, ctx)
+
+    def _count_speculation(self, spec: dict[str, int]) -> None:
+        algorithm = self.spec.speculative_algorithm if self.spec else "none"
+        SPEC_VERIFY_STEPS.labels(algorithm).inc(spec["steps"])
+        SPEC_DRAFT_TOKENS.labels(algorithm).inc(spec["draft_tokens"])
+        SPEC_ACCEPTED_TOKENS.labels(algorithm).inc(spec["accepted_tokens"])
+        if spec["steps"]:
+            SPEC_ACCEPTANCE_LENGTH.labels(algorithm).observe(
+                1 + spec["accepted_tokens"] / spec["steps"]
+            )
+
+
+def _batch(
+    req: AdmitRequest, outputs: list[TokenOutput], cached: int, want_logprobs: bool
+) -> TokenBatch:
+    last = outputs[-1]
+    return TokenBatch(
+        req.request_id,
+        req.output_subject,
+        [o.token_id for o in outputs],
+        [o.logprob or 0.0 for o in outputs] if want_logprobs else None,
+        [o.top_logprobs or [] for o in outputs] if want_logprobs else None,
+        last.finish_reason,
+        len(req.prompt_ids),
+        cached,
+        dataclasses.asdict(last.spec) if last.spec else None,
+    )

@@ -1,0 +1,1 @@
+"""Drafter service: any speculative algorithm, with per-request draft state."""

@@ -1,0 +1,101 @@
+"""The drafter service: per-request draft state, one batched proposal per message.
+
+Decode workers address an instance directly; its messages (open, close, draft
+step) are handled one at a time in arrival order, so a request's state always
+sees its tokens in order. Drafting runs off the event loop, so heartbeats go
+on while a draft model computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shared.config import model_option, option, resolve_device, resolve_dtype
+from shared.model.fetch import resolve_model
+from shared.model.loader import load_model
+from shared.protocol import (
+    DraftClose,
+    DraftItem,
+    DraftOpen,
+    DraftReply,
+    DraftStep,
+    DraftTreeMsg,
+    Heartbeat,
+    drafter_subject,
+)
+from shared.service import Service, ServiceConfig
+from shared.speculative.config import SpeculativeConfig
+from shared.speculative.drafter import DraftRequest, make_drafter
+from shared.telemetry import ACTIVE_REQUESTS, DRAFT_SECONDS
+
+
+@dataclass
+class DrafterConfig:
+    model: str | None = model_option()  # the target: EAGLE heads use its embeddings and head
+    device: str | None = option(None, "cpu, cuda, cuda:N (default: cuda when available)")
+    dtype: str | None = option(None, "float32, bfloat16, float16 (default: fp32 CPU, bf16 GPU)")
+
+
+class DrafterService(Service):
+    kind = "drafter"
+
+    def __init__(self, cfg: ServiceConfig, dcfg: DrafterConfig, spec: SpeculativeConfig) -> None:
+        super().__init__(cfg)
+        if not spec.enabled:
+            raise ValueError("a drafter needs --speculative-algorithm")
+        self.spec = spec.resolved()
+        self.device = resolve_device(dcfg.device)
+        self.dtype = resolve_dtype(dcfg.dtype, self.device)
+        target = None
+        if self.spec.speculative_algorithm != "NGRAM":  # model drafters read the target's
+            target = load_model(str(resolve_model(dcfg.model)), self.device, self.dtype)
+        self.drafter = make_drafter(self.spec, target)
+        self.open_requests: set[str] = set()
+
+    async def start(self) -> None:
+        await self.bus.serve(drafter_subject(self.instance_id), self.handle)
+
+    def heartbeat(self) -> Heartbeat:
+        ACTIVE_REQUESTS.labels(self.kind).set(len(self.open_requests))
+        return Heartbeat(
+            self.kind,
+            self.instance_id,
+            self.metrics_url,
+            active_requests=len(self.open_requests),
+            algorithm=self.spec.speculative_algorithm,
+        )
+
+    async def handle(self, msg: DraftOpen | DraftClose | DraftStep) -> DraftReply | None:
+        if isinstance(msg, DraftOpen):
+            self.drafter.open(msg.request_id, msg.token_ids)
+            self.open_requests.add(msg.request_id)
+        elif isinstance(msg, DraftClose):
+            if msg.request_id in self.open_requests:
+                self.open_requests.discard(msg.request_id)
+                self.drafter.close(msg.request_id)
+        elif isinstance(msg, DraftStep):
+            unknown = [i.request_id for i in msg.items if i.request_id not in self.open_requests]
+            if unknown:
+                raise ValueError(f"draft step for requests never opened here: {unknown}")
+            start = time.perf_counter()
+            requests = [self._request(item) for item in msg.items]
+            trees = await asyncio.to_thread(self.drafter.propose, requests)
+            DRAFT_SECONDS.observe(time.perf_counter() - start)
+            return DraftReply([DraftTreeMsg(t.tokens, t.parents) for t in trees])
+        else:
+            raise ValueError(f"a drafter does not handle {type(msg).__name__}")
+        return None
+
+    def _request(self, item: DraftItem) -> DraftRequest:
+        features = None
+        if item.features is not None:
+            array = np.frombuffer(item.features, dtype=np.float32).reshape(item.feature_shape)
+            features = torch.from_numpy(array.copy()).to(self.device, self.dtype)
+        return DraftRequest(
+            item.request_id, item.new_tokens, item.max_drafts, features, item.feature_position
+        )

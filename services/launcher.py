@@ -1,0 +1,180 @@
+"""`specmesh up`: the whole system on one machine, each service its own process.
+
+Starts nats-server (and valkey for the Redis KV transport) on free loopback
+ports unless URLs are given, then the services; waits until every instance
+heartbeats and the gateway answers; prints the URL; on Ctrl-C or SIGTERM (or
+if any process dies) stops everything, services first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import nats
+from nats.aio.msg import Msg
+
+from services.decode.service import DecodeConfig
+from services.drafter.service import DrafterConfig
+from services.gateway.service import GatewayConfig
+from services.tokenizer.service import TokenizerConfig
+from shared.config import dataclass_argv, option
+from shared.engine.engine import EngineConfig
+from shared.infra import ServerProcess, die_with_parent, start_nats, start_valkey
+from shared.protocol import HEARTBEAT, Heartbeat, decode
+from shared.speculative.config import SpeculativeConfig
+from shared.transport import TransportConfig
+
+READY_TIMEOUT_S = 600  # first start-up may fetch and convert the model
+
+
+@dataclass
+class UpConfig:
+    decoders: int = option(1, "decode workers")
+    drafters: int = option(1, "drafter instances (with --speculative-algorithm)")
+    prefills: int = option(1, "prefill instances")
+    tokenizers: int = option(1, "tokenizer instances")
+    nats_url: str | None = option(None, "use this NATS server instead of starting one")
+    metrics: bool = option(True, "serve /metrics from every service (on free ports)")
+
+
+@dataclass
+class Configs:
+    up: UpConfig
+    gateway: GatewayConfig
+    engine: EngineConfig
+    spec: SpeculativeConfig
+    transport: TransportConfig
+    decode: DecodeConfig
+    tokenizer: TokenizerConfig = field(init=False)
+    drafter: DrafterConfig = field(init=False)
+
+    def __post_init__(self) -> None:
+        model, device, dtype = self.engine.model, self.engine.device, self.engine.dtype
+        self.gateway.model = model
+        self.tokenizer = TokenizerConfig(model)
+        self.drafter = DrafterConfig(model, device, dtype)
+
+    def service_argv(self, kind: str) -> list[str]:
+        configs = {
+            "tokenizer": [self.tokenizer],
+            "prefill": [self.engine, self.transport],
+            "decode": [self.engine, self.spec, self.transport, self.decode],
+            "drafter": [self.drafter, self.spec],
+            "gateway": [self.gateway],
+        }[kind]
+        return [arg for config in configs for arg in dataclass_argv(config)]
+
+
+class Launcher:
+    def __init__(self, configs: Configs) -> None:
+        self.configs = configs
+        self.servers: list[ServerProcess] = []
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+
+    def run(self) -> int:
+        try:
+            return asyncio.run(self._run())
+        finally:
+            self._stop_all()
+
+    async def _run(self) -> int:
+        up, transport = self.configs.up, self.configs.transport
+        nats_url = up.nats_url
+        if nats_url is None:
+            self.servers.append(start_nats())
+            nats_url = self.servers[-1].url
+        if transport.kv_transport == "redis" and transport.redis_url is None:
+            self.servers.append(start_valkey())
+            transport.redis_url = self.servers[-1].url
+        transport.open().close()  # a bad transport option fails here, before any model loads
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        nc = await nats.connect(nats_url, name="specmesh-up")
+        seen: dict[str, str | None] = {}
+
+        async def on_heartbeat(msg: Msg) -> None:
+            beat = decode(msg.data, Heartbeat)
+            seen[beat.instance_id] = beat.metrics_url
+
+        await nc.subscribe(HEARTBEAT.format(kind="*"), cb=on_heartbeat)
+        self._start_services(nats_url)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not set(self.children) <= set(seen):
+            if stop.is_set():
+                return 130
+            dead = self._dead()
+            if dead or time.monotonic() > deadline:
+                print(f"specmesh up: {dead or 'services did not start'}; stopping", flush=True)
+                return 1
+            await asyncio.sleep(0.2)
+        gateway = self.configs.gateway
+        print(f"specmesh is up: http://{gateway.host}:{gateway.port}/v1", flush=True)
+        for instance in sorted(self.children):
+            metrics = seen.get(instance)
+            print(f"  {instance:<12} pid {self.children[instance].pid}  {metrics or ''}")
+        sys.stdout.flush()
+        while not stop.is_set():
+            dead = self._dead()
+            if dead:
+                print(f"specmesh up: {dead}; stopping", flush=True)
+                await nc.close()
+                return 1
+            await asyncio.sleep(0.5)
+        await nc.close()
+        return 0
+
+    def _start_services(self, nats_url: str) -> None:
+        up = self.configs.up
+        counts = {
+            "tokenizer": up.tokenizers,
+            "prefill": up.prefills,
+            "decode": up.decoders,
+            "drafter": up.drafters if self.configs.spec.enabled else 0,
+            "gateway": 1,
+        }
+        for kind, count in counts.items():
+            for i in range(count):
+                instance = f"{kind}-{i}"
+                argv = [sys.executable, "-m", f"services.{kind}", "--nats-url", nats_url]
+                argv += ["--instance-id", instance, *self.configs.service_argv(kind)]
+                if up.metrics and kind != "gateway":  # the gateway serves /metrics itself
+                    argv += ["--metrics-port", "0"]
+                self.children[instance] = subprocess.Popen(
+                    argv,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                    start_new_session=True,  # Ctrl-C reaches us; we stop them in order
+                    preexec_fn=die_with_parent(),
+                )
+
+    def _dead(self) -> str | None:
+        for instance, proc in self.children.items():
+            if proc.poll() is not None:
+                return f"{instance} exited with code {proc.returncode}"
+        return None
+
+    def _stop_all(self) -> None:
+        for proc in self.children.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 15
+        for proc in self.children.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for server in reversed(self.servers):
+            server.stop()
+        transport = self.configs.transport
+        if transport.kv_transport == "shm":
+            from shared.transport.shm import ShmTransport
+
+            ShmTransport(transport.kv_namespace).remove_all()

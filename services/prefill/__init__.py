@@ -1,0 +1,1 @@
+"""Prefill service: computes prompts, samples first tokens, stores K/V in the transport."""

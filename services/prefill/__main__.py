@@ -1,0 +1,6 @@
+from services.prefill.service import PrefillService
+from shared.engine.engine import EngineConfig
+from shared.service import service_main
+from shared.transport import TransportConfig
+
+service_main(PrefillService, [EngineConfig, TransportConfig])

@@ -1,0 +1,100 @@
+"""The prefill service (a queue group): prompt in, first token and stored K/V out.
+
+Prompts are batched by the same engine the decode workers run (chunked
+prefill, a local prefix cache). Before computing, prefill looks up how many of
+the prompt's leading blocks the transport already holds and loads them instead;
+after the first token it stores the blocks the transport lacks. A request's
+sequence ends here at its first token; the decode worker takes it from there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from shared.engine.async_engine import AsyncEngine
+from shared.engine.engine import EngineConfig, LLMEngine
+from shared.engine.sequence import RemotePrefix, Sequence
+from shared.engine.speculation import SpecStats
+from shared.kvcache.exchange import KVExchange, model_fingerprint
+from shared.model.fetch import resolve_model
+from shared.protocol import PREFILL, PrefillReply, PrefillRequest
+from shared.service import Service, ServiceConfig
+from shared.telemetry import (
+    ACTIVE_REQUESTS,
+    KV_BLOCKS_FREE,
+    KV_BLOCKS_USED,
+    PREFILL_TOKENS,
+)
+from shared.transport import KVTransport, TransportConfig
+
+
+class PrefillEngine(LLMEngine):
+    """Stops every request at its first token and hands its prompt's K/V to the
+    transport before the blocks are freed."""
+
+    def __init__(self, cfg: EngineConfig, transport: KVTransport, ttl_s: float) -> None:
+        super().__init__(cfg)
+        fingerprint = model_fingerprint(self.model, cfg.block_size)
+        self.kv_exchange = KVExchange(self.kv_cache, transport, fingerprint, ttl_s, "prefill")
+        # request id -> (block keys, generator state), picked up by the service
+        self.handoff: dict[str, tuple[list[str], bytes | None]] = {}
+
+    def _finish(self, seq: Sequence) -> SpecStats | None:
+        if seq.num_computed_tokens >= seq.num_prompt_tokens:
+            keys = self.kv_exchange.keys(seq.prompt_ids)
+            self.kv_exchange.export(seq.block_table, keys)
+            state = seq.generator.get_state().numpy().tobytes() if seq.generator else None
+            self.handoff[seq.request_id] = (keys, state)
+        return super()._finish(seq)
+
+
+class PrefillService(Service):
+    kind = "prefill"
+
+    def __init__(self, cfg: ServiceConfig, ecfg: EngineConfig, tcfg: TransportConfig) -> None:
+        super().__init__(cfg)
+        ecfg.model = str(resolve_model(ecfg.model))
+        self.transport = tcfg.open()
+        self.engine = PrefillEngine(ecfg, self.transport, tcfg.kv_ttl)
+        self.loop_driver = AsyncEngine(self.engine)
+
+    async def start(self) -> None:
+        await self.bus.serve(PREFILL, self.prefill, queue="prefill", concurrent=True)
+
+    async def stop(self) -> None:
+        self.loop_driver.shutdown()
+        self.transport.close()
+
+    async def prefill(self, req: PrefillRequest) -> PrefillReply:
+        engine = self.engine
+        engine.check_request(req.prompt_ids, req.params)  # with the real max_tokens
+        exchange = engine.kv_exchange
+        bs = engine.block_manager.block_size
+        keys = exchange.keys(req.prompt_ids)
+        # Full blocks only, and never the last prompt token: its logits are needed.
+        reusable = (len(req.prompt_ids) - 1) // bs
+        stored = await asyncio.to_thread(exchange.stored_blocks, keys[:reusable])
+        remote = RemotePrefix(keys, stored * bs) if stored else None
+        params = dataclasses.replace(req.params, max_tokens=1)
+        ACTIVE_REQUESTS.labels(self.kind).inc()
+        try:
+            async for outputs in self.loop_driver.generate(
+                req.request_id, req.prompt_ids, params, remote
+            ):
+                first = outputs[0]
+        finally:
+            ACTIVE_REQUESTS.labels(self.kind).dec()
+            self._report()
+        keys, state = engine.handoff.pop(req.request_id)
+        computed = len(req.prompt_ids) - first.num_reused_tokens
+        PREFILL_TOKENS.labels("computed").inc(computed)
+        PREFILL_TOKENS.labels("cached").inc(first.num_reused_tokens)
+        return PrefillReply(
+            first.token_id, first.logprob, first.top_logprobs, keys, computed, state
+        )
+
+    def _report(self) -> None:
+        blocks = self.engine.block_manager
+        KV_BLOCKS_FREE.labels(self.kind).set(blocks.num_free)
+        KV_BLOCKS_USED.labels(self.kind).set(len(blocks.blocks) - blocks.num_free)

@@ -1,0 +1,1 @@
+"""Tokenizer service: chat templates and tokenizing in, detokenizing and stop strings out."""

@@ -1,0 +1,120 @@
+"""The NATS bus every service talks through: typed messages, deadlines, trace context.
+
+Requests carry the caller's W3C trace context in NATS headers; a served
+handler runs inside a span continuing it, so one trace follows a request
+through every service. Handlers of one subscription run one at a time, in
+arrival order (the detokenizer relies on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+
+from shared.protocol import ErrorReply, ProtocolError, RemoteError, decode, encode
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("specmesh.bus")
+
+M = TypeVar("M")
+Handler = Callable[[Any], Awaitable[Any]]
+
+
+class BusError(RuntimeError):
+    """No answer in time, or nobody serves the subject."""
+
+
+def _headers(ctx: otel_context.Context | None) -> dict[str, str]:
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=ctx)
+    return carrier
+
+
+class Bus:
+    def __init__(self, nc: Client, name: str) -> None:
+        self.nc = nc
+        self.name = name
+        self._subscriptions: list[Subscription] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    async def connect(cls, url: str, name: str) -> Bus:
+        try:
+            nc = await nats.connect(
+                url, name=name, connect_timeout=5, max_reconnect_attempts=-1, allow_reconnect=True
+            )
+        except Exception as exc:
+            raise ConnectionError(f"cannot reach NATS at {url}: {exc}") from exc
+        return cls(nc, name)
+
+    async def request(
+        self,
+        subject: str,
+        msg: Any,
+        expect: type[M],
+        timeout: float,
+        ctx: otel_context.Context | None = None,
+    ) -> M:
+        """Send and wait for the reply. RemoteError if the peer failed, BusError if none."""
+        with tracer.start_as_current_span(
+            f"request {subject}", context=ctx, kind=trace.SpanKind.CLIENT
+        ):
+            try:
+                reply = await self.nc.request(subject, encode(msg), timeout, headers=_headers(None))
+            except nats.errors.NoRespondersError as exc:
+                raise BusError(f"no service answers on {subject}") from exc
+            except nats.errors.TimeoutError as exc:
+                raise BusError(f"no reply on {subject} within {timeout} s") from exc
+            return decode(reply.data, expect)
+
+    async def publish(
+        self, subject: str, msg: Any, ctx: otel_context.Context | None = None
+    ) -> None:
+        await self.nc.publish(subject, encode(msg), headers=_headers(ctx))
+
+    async def serve(
+        self, subject: str, handler: Handler, queue: str = "", concurrent: bool = False
+    ) -> None:
+        """Run `handler(message)` for each message on `subject`; a returned message is the
+        reply. A failing handler answers ErrorReply (400 for ValueError, else 500).
+        Messages are handled one at a time in order, or each in its own task if
+        `concurrent` (for handlers that wait on other work)."""
+
+        async def handle(raw: Msg) -> None:
+            ctx = propagate.extract(raw.headers or {})
+            with tracer.start_as_current_span(
+                f"{self.name} {subject}", context=ctx, kind=trace.SpanKind.SERVER
+            ):
+                try:
+                    reply = await handler(decode(raw.data))
+                except (ValueError, ProtocolError) as exc:
+                    reply = ErrorReply(str(exc), 400)
+                except RemoteError as exc:
+                    reply = ErrorReply(str(exc), exc.status)
+                except Exception as exc:
+                    log.exception("handler for %s failed", subject)
+                    reply = ErrorReply(f"{type(exc).__name__}: {exc}", 500)
+                if raw.reply and reply is not None:
+                    await raw.respond(encode(reply))
+
+        async def spawn(raw: Msg) -> None:
+            task = asyncio.create_task(handle(raw))
+            self._tasks.add(task)  # held until done: the loop keeps only weak references
+            task.add_done_callback(self._tasks.discard)
+
+        callback = spawn if concurrent else handle
+        self._subscriptions.append(await self.nc.subscribe(subject, queue=queue, cb=callback))
+
+    async def close(self) -> None:
+        for sub in self._subscriptions:
+            await sub.unsubscribe()
+        await self.nc.drain()

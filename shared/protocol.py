@@ -1,0 +1,299 @@
+"""Every message the services exchange, and the subjects they travel on.
+
+Messages are typed dataclasses packed with msgpack as `{"v": version, "t": type,
+"f": fields}`; a nested dataclass field travels as its own field map. No pickle:
+a peer can only make us build the types listed here. Large tensors never ride
+in messages: KV blocks go through the KV transport and messages carry their keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgpack
+
+from shared.sampling.params import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+# Subjects. `{id}` is an instance id; the queue groups share work among instances.
+TOKENIZE = "specmesh.tokenizer.tokenize"  # queue group "tokenizer"
+PREFILL = "specmesh.prefill"  # queue group "prefill"
+ABORT = "specmesh.abort"  # broadcast: every service drops the request
+HEARTBEAT = "specmesh.heartbeat.{kind}"  # kind: decode | drafter
+
+
+def detok_subject(tokenizer_id: str) -> str:
+    return f"specmesh.tokenizer.{tokenizer_id}.detok"
+
+
+def decode_subject(decode_id: str) -> str:
+    return f"specmesh.decode.{decode_id}.admit"
+
+
+def drafter_subject(drafter_id: str) -> str:
+    return f"specmesh.drafter.{drafter_id}"
+
+
+def gateway_subject(gateway_id: str) -> str:
+    return f"specmesh.gateway.{gateway_id}.out"
+
+
+class ProtocolError(ValueError):
+    pass
+
+
+@dataclass
+class ErrorReply:
+    """A request failed; `status` follows HTTP (400 bad input, 503 no capacity)."""
+
+    message: str
+    status: int = 500
+
+
+@dataclass
+class TokenizeRequest:
+    request_id: str
+    messages: list[dict[str, Any]] | None = None  # chat: rendered with the chat template
+    prompt: str | None = None  # completions: plain text
+    prompt_ids: list[int] | None = None  # already tokenized
+    chat_template_kwargs: dict[str, Any] | None = None
+    stop: list[str] | None = None  # the tokenizer instance keeps them for detokenizing
+
+
+@dataclass
+class TokenizeReply:
+    prompt_ids: list[int]
+    tokenizer_id: str  # detokenizes this request's output (it holds its stop strings)
+
+
+@dataclass
+class PrefillRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class PrefillReply:
+    """The first token and where the prompt's K/V now is."""
+
+    first_token: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None
+    kv_keys: list[str]  # transport keys of the prompt's blocks, the last one maybe partial
+    num_computed_tokens: int  # prompt tokens prefill computed (the rest were reused)
+    generator_state: bytes | None = None  # seeded sampling continues where prefill left it
+
+
+@dataclass
+class AdmitRequest:
+    """Hand a prefilled request to a decode worker; it streams the tokens from here on."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    prefill: PrefillReply
+    drafter_id: str | None  # None: no speculation
+    detok_subject: str  # where TokenBatch messages go
+    output_subject: str  # passed along for the detokenizer's TextDelta messages
+
+
+@dataclass
+class Admitted:
+    decode_id: str
+
+
+@dataclass
+class TokenBatch:
+    """Tokens a decode step produced for one request."""
+
+    request_id: str
+    output_subject: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from a prefix cache
+    spec: dict[str, int] | None = None  # speculation totals, on the last batch
+    error: str | None = None  # with finish_reason "error"
+
+
+@dataclass
+class TextDelta:
+    """Detokenized output for the gateway; `finish_reason` set on the last one."""
+
+    request_id: str
+    text: str
+    num_tokens: int
+    logprobs: list[dict[str, Any]] | None = None  # OpenAI chat logprob entries
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    spec: dict[str, int] | None = None
+    error: str | None = None  # with finish_reason "error"
+
+
+@dataclass
+class Abort:
+    request_id: str
+
+
+@dataclass
+class DraftOpen:
+    request_id: str
+    token_ids: list[int]
+
+
+@dataclass
+class DraftClose:
+    request_id: str
+
+
+@dataclass
+class DraftItem:
+    request_id: str
+    new_tokens: list[int]
+    max_drafts: int
+    # EAGLE: the target's features for positions feature_position.. (float32, row-major).
+    features: bytes | None = None
+    feature_shape: list[int] | None = None
+    feature_position: int = 0
+
+
+@dataclass
+class DraftStep:
+    items: list[DraftItem]
+
+
+@dataclass
+class DraftTreeMsg:
+    tokens: list[int]
+    parents: list[int]
+
+
+@dataclass
+class DraftReply:
+    trees: list[DraftTreeMsg]
+
+
+@dataclass
+class Heartbeat:
+    """An instance's liveness and load; `leaving` says goodbye on a clean shutdown."""
+
+    kind: str
+    instance_id: str
+    metrics_url: str | None = None
+    active_requests: int = 0
+    waiting_requests: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_total: int = 0
+    leaving: bool = False
+    algorithm: str | None = None  # decode and drafters: the speculative algorithm
+
+
+_MESSAGES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        ErrorReply,
+        TokenizeRequest,
+        TokenizeReply,
+        PrefillRequest,
+        PrefillReply,
+        AdmitRequest,
+        Admitted,
+        TokenBatch,
+        TextDelta,
+        Abort,
+        DraftOpen,
+        DraftClose,
+        DraftStep,
+        DraftReply,
+        Heartbeat,
+    )
+}
+_NESTED = {SamplingParams, PrefillReply, DraftItem, DraftTreeMsg}
+
+M = TypeVar("M")
+
+
+def encode(msg: Any) -> bytes:
+    name = type(msg).__name__
+    if _MESSAGES.get(name) is not type(msg):
+        raise ProtocolError(f"{name} is not a protocol message")
+    return msgpack.packb({"v": PROTOCOL_VERSION, "t": name, "f": _fields(msg)})
+
+
+def _fields(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _fields(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_fields(v) for v in obj]
+    return obj
+
+
+def decode(data: bytes, expect: type[M] | None = None) -> M:
+    """Unpack a message; with `expect`, anything else (an ErrorReply too) raises."""
+    try:
+        raw = msgpack.unpackb(data)
+        version, name, values = raw["v"], raw["t"], raw["f"]
+    except Exception as exc:
+        raise ProtocolError(f"malformed message: {exc}") from exc
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version}, expected {PROTOCOL_VERSION}")
+    cls = _MESSAGES.get(name)
+    if cls is None:
+        raise ProtocolError(f"unknown message type {name!r}")
+    msg = _build(cls, values)
+    if expect is not None and not isinstance(msg, expect):
+        if isinstance(msg, ErrorReply):
+            raise RemoteError(msg.message, msg.status)
+        raise ProtocolError(f"expected {expect.__name__}, got {name}")
+    return msg
+
+
+class RemoteError(RuntimeError):
+    """The peer answered with an ErrorReply."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _build(cls: type, values: dict[str, Any]) -> Any:
+    hints = _hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in values:
+            kwargs[f.name] = _convert(hints[f.name], values[f.name])
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ProtocolError(f"bad {cls.__name__}: {exc}") from exc
+
+
+def _convert(kind: Any, value: Any) -> Any:
+    """Rebuild nested dataclasses and tuples that msgpack turned into maps and lists."""
+    if value is None:
+        return None
+    if isinstance(kind, types.UnionType):
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    if kind in _NESTED:
+        return _build(kind, value)
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is list and args:
+        return [_convert(args[0], v) for v in value]
+    if origin is tuple:
+        return tuple(value)
+    return value

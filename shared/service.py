@@ -1,0 +1,107 @@
+"""What every service process shares: options, start-up, heartbeats, clean shutdown.
+
+A service connects to NATS, subscribes its handlers, then announces itself
+with a heartbeat every `--heartbeat-interval` seconds (carrying its load and
+its metrics URL) until SIGTERM/SIGINT, when it says goodbye, drains its
+subscriptions and flushes its spans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from prometheus_client import start_http_server
+
+from shared.bus import Bus
+from shared.config import add_dataclass_args, dataclass_from_args, option
+from shared.infra import free_port
+from shared.protocol import HEARTBEAT, Heartbeat
+from shared.telemetry import setup_tracing, shutdown_tracing
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class ServiceConfig:
+    nats_url: str = option("nats://127.0.0.1:4222", "NATS server URL")
+    instance_id: str | None = option(None, "unique instance name (default: <kind>-<host>-<pid>)")
+    metrics_port: int | None = option(None, "serve Prometheus /metrics here (0: a free port)")
+    metrics_host: str = option("127.0.0.1", "address /metrics binds to")
+    heartbeat_interval: float = option(1.0, "seconds between heartbeats")
+
+
+class Service:
+    """Base of the service processes. Subclasses subscribe in `start` and report load."""
+
+    kind = "service"
+
+    def __init__(self, cfg: ServiceConfig) -> None:
+        self.cfg = cfg
+        self.instance_id = cfg.instance_id or f"{self.kind}-{socket.gethostname()}-{os.getpid()}"
+        self.metrics_url: str | None = None
+        self.bus: Bus
+
+    async def start(self) -> None:
+        """Subscribe handlers (self.bus is connected)."""
+
+    async def stop(self) -> None:
+        """Finish or hand back work before the bus closes."""
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(self.kind, self.instance_id, self.metrics_url)
+
+    async def run(self) -> None:
+        setup_tracing(self.kind, self.instance_id)
+        if self.cfg.metrics_port is not None:
+            port = self.cfg.metrics_port or free_port(self.cfg.metrics_host)
+            start_http_server(port, self.cfg.metrics_host)
+            self.metrics_url = f"http://{self.cfg.metrics_host}:{port}/metrics"
+        self.bus = await Bus.connect(self.cfg.nats_url, self.instance_id)
+        stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stopping.set)
+        await self.start()
+        log.info("%s ready", self.instance_id)
+        subject = HEARTBEAT.format(kind=self.kind)
+        while not stopping.is_set():
+            await self.bus.publish(subject, self.heartbeat())
+            try:
+                await asyncio.wait_for(stopping.wait(), self.cfg.heartbeat_interval)
+            except TimeoutError:
+                pass
+        goodbye = self.heartbeat()
+        goodbye.leaving = True
+        await self.bus.publish(subject, goodbye)
+        await self.stop()
+        await self.bus.close()
+        shutdown_tracing()
+
+
+def service_main(
+    service_cls: type[Service], config_classes: list[type], argv: list[str] | None = None
+) -> None:
+    """`python -m services.<name>`: options from flags and SPECMESH_* variables, then run."""
+    parser = argparse.ArgumentParser(prog=f"python -m services.{service_cls.kind}")
+    for cls in [ServiceConfig, *config_classes]:
+        add_dataclass_args(parser, cls)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("SPECMESH_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {service_cls.kind} %(name)s %(levelname)s %(message)s",
+    )
+    configs: list[Any] = [dataclass_from_args(cls, args) for cls in config_classes]
+    try:
+        service = service_cls(dataclass_from_args(ServiceConfig, args), *configs)
+        asyncio.run(service.run())
+    except (ValueError, ConnectionError) as exc:  # bad options, unreachable servers
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")

@@ -1,0 +1,91 @@
+"""KV-cache block transport: the store through which prefill and decode services hand over blocks.
+
+A prefill service writes the KV-cache blocks of a prompt; a decode service (on the same host or
+another) reads them back instead of recomputing them. Blocks are opaque `bytes` keyed by content
+addresses chosen by the caller, so a key always names the same value and the store never needs
+invalidation, only expiry. Two backends, picked by config through `make_transport`:
+
+- "shm": files in /dev/shm, for services on one host (no copy through a server process);
+- "redis": a valkey/redis server, for services on different hosts.
+
+The calls block; an asyncio caller runs them in a worker thread (`asyncio.to_thread`). One
+instance may be shared by an engine thread and an asyncio thread: the backends hold no state
+between calls except the byte counters, which are guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from dataclasses import dataclass
+
+from shared.config import option
+
+
+class KVTransport(abc.ABC):
+    """Store of immutable blobs by key. Values for one key are always identical
+    (content-addressed), so concurrent writers of the same key are harmless."""
+
+    def __init__(self) -> None:
+        # Bytes actually moved by put_many / get_many, for metrics.
+        self.bytes_written = 0
+        self.bytes_read = 0
+        self._counter_lock = threading.Lock()
+
+    def _count(self, written: int = 0, read: int = 0) -> None:
+        with self._counter_lock:
+            self.bytes_written += written
+            self.bytes_read += read
+
+    @abc.abstractmethod
+    def put_many(self, items: dict[str, bytes], ttl_s: float) -> None:
+        """Store every item; each key expires `ttl_s` seconds from now."""
+
+    @abc.abstractmethod
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        """The value of each key, None where it is missing or expired."""
+
+    @abc.abstractmethod
+    def count_present(self, keys: list[str]) -> int:
+        """How many of `keys`, from the first, are present: the longest stored prefix of a
+        prompt's block chain, which is what a reader can reuse."""
+
+    @abc.abstractmethod
+    def touch(self, keys: list[str], ttl_s: float) -> None:
+        """Push the expiry of the present keys to now + `ttl_s`; missing keys are ignored."""
+
+    @abc.abstractmethod
+    def delete_many(self, keys: list[str]) -> None:
+        """Remove the keys; missing keys are ignored."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release connections; stored blobs stay for other processes."""
+
+
+def make_transport(kind: str, namespace: str, redis_url: str | None = None) -> KVTransport:
+    """The backend named by config. `namespace` keeps deployments sharing a store apart."""
+    # Imported here so that a shm deployment never loads the redis client (and to avoid an
+    # import cycle: the backends import KVTransport from this module).
+    if kind == "shm":
+        from shared.transport.shm import ShmTransport
+
+        return ShmTransport(namespace)
+    if kind == "redis":
+        if not redis_url:
+            raise ValueError("kv transport 'redis' needs a redis url (redis://host:port/db)")
+        from shared.transport.redis import RedisTransport
+
+        return RedisTransport(redis_url, namespace)
+    raise ValueError(f"kv transport must be 'shm' or 'redis', got {kind!r}")
+
+
+@dataclass
+class TransportConfig:
+    kv_transport: str = option("shm", "KV transport: shm (one host) or redis (across hosts)")
+    redis_url: str | None = option(None, "redis://host:port of the KV store (--kv-transport redis)")
+    kv_namespace: str = option("specmesh", "namespace of this deployment's blocks in the store")
+    kv_ttl: float = option(600.0, "seconds a stored KV block lives after its last use")
+
+    def open(self) -> KVTransport:
+        return make_transport(self.kv_transport, self.kv_namespace, self.redis_url)

@@ -1,0 +1,166 @@
+"""A real OTLP/HTTP trace receiver, so tests check the spans services actually export.
+
+Point OTEL_EXPORTER_OTLP_ENDPOINT at `endpoint` (or an exporter at endpoint + "/v1/traces"):
+spans arrive over HTTP as protobuf exactly as a collector would get them, then the test
+waits for the ones it expects. Metrics and logs are accepted and dropped.
+"""
+
+from __future__ import annotations
+
+import gzip
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+PROTOBUF = "application/x-protobuf"
+
+
+@dataclass(frozen=True)
+class ReceivedSpan:
+    service: str
+    name: str
+    trace_id: str  # hex
+    span_id: str  # hex
+    parent_span_id: str  # hex, "" for a root span
+    attributes: dict[str, Any]
+
+
+def _value(v: AnyValue) -> Any:
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    if kind == "kvlist_value":
+        return _attributes(v.kvlist_value.values)
+    return None if kind is None else getattr(v, kind)
+
+
+def _attributes(kvs: Iterable[KeyValue]) -> dict[str, Any]:
+    return {kv.key: _value(kv.value) for kv in kvs}
+
+
+def _decode(body: bytes) -> list[ReceivedSpan]:
+    request = ExportTraceServiceRequest.FromString(body)
+    spans = []
+    for resource_spans in request.resource_spans:
+        service = str(_attributes(resource_spans.resource.attributes).get("service.name", ""))
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                spans.append(
+                    ReceivedSpan(
+                        service=service,
+                        name=span.name,
+                        trace_id=span.trace_id.hex(),
+                        span_id=span.span_id.hex(),
+                        parent_span_id=span.parent_span_id.hex(),
+                        attributes=_attributes(span.attributes),
+                    )
+                )
+    return spans
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def __init__(self, *args: Any, receiver: OtlpReceiver, **kwargs: Any) -> None:
+        self.receiver = receiver  # set first: the base __init__ handles the request
+        super().__init__(*args, **kwargs)
+
+    def do_POST(self) -> None:
+        length = self.headers.get("Content-Length")
+        if length is None:
+            self._reply(411)
+            return
+        body = self.rfile.read(int(length))
+        if self.path.rstrip("/") != "/v1/traces":
+            self._reply(200)  # metrics, logs: accepted, not recorded
+            return
+        if self.headers.get_content_type() != PROTOBUF:
+            self._reply(415)
+            return
+        try:
+            encoding = self.headers.get("Content-Encoding", "identity").lower()
+            if encoding == "gzip":
+                body = gzip.decompress(body)
+            elif encoding == "deflate":
+                body = zlib.decompress(body)
+            spans = _decode(body)
+        except (OSError, EOFError, zlib.error, DecodeError) as exc:
+            self._reply(400, str(exc).encode())
+            return
+        self.receiver._record(spans)
+        self._reply(200, ExportTraceServiceResponse().SerializeToString(), PROTOBUF)
+
+    def _reply(self, status: int, body: bytes = b"", content_type: str = "text/plain") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet: one stderr line per export would bury the test output."""
+
+
+class OtlpReceiver:
+    """OTLP/HTTP receiver on a free loopback port, serving from a daemon thread.
+
+    Use as a context manager; the port is bound (and `endpoint` valid) from construction.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._spans: list[ReceivedSpan] = []
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), partial(_Handler, receiver=self))
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="otlp-receiver", daemon=True
+        )
+
+    @property
+    def endpoint(self) -> str:
+        """The base URL, as OTEL_EXPORTER_OTLP_ENDPOINT wants it (no /v1/traces)."""
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def __enter__(self) -> OtlpReceiver:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+    def _record(self, spans: list[ReceivedSpan]) -> None:
+        with self._lock:
+            self._spans.extend(spans)
+
+    def spans(self) -> list[ReceivedSpan]:
+        """Every span received so far, in arrival order (a copy)."""
+        with self._lock:
+            return list(self._spans)
+
+    def wait_for(
+        self, predicate: Callable[[list[ReceivedSpan]], bool], timeout: float = 10.0
+    ) -> list[ReceivedSpan]:
+        """Poll until predicate(spans) holds (exporters send in batches, later); return spans."""
+        deadline = time.monotonic() + timeout
+        while True:
+            spans = self.spans()
+            if predicate(spans):
+                return spans
+            if time.monotonic() > deadline:
+                seen = ", ".join(f"{s.service}:{s.name}" for s in spans[:50])
+                raise AssertionError(
+                    f"spans not as expected after {timeout} s; got {len(spans)}: {seen or 'none'}"
+                )
+            time.sleep(0.02)

