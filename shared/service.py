@@ -4,6 +4,10 @@ A service connects to NATS, subscribes its handlers, then announces itself
 with a heartbeat every `--heartbeat-interval` seconds (carrying its load and
 its metrics URL) until SIGTERM/SIGINT, when it says goodbye, drains its
 subscriptions and flushes its spans.
+
+Model work runs on the main thread (see shared/engine/async_engine.py for why),
+the asyncio side (NATS, HTTP) on an "io" thread. Handlers hand blocking work to
+the main thread with `await self.on_main(fn, *args)`.
 """
 
 from __future__ import annotations
@@ -12,10 +16,15 @@ import argparse
 import asyncio
 import logging
 import os
+import queue
 import signal
 import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import start_http_server
 
@@ -24,6 +33,9 @@ from shared.config import add_dataclass_args, dataclass_from_args, option
 from shared.infra import free_port
 from shared.protocol import HEARTBEAT, Heartbeat
 from shared.telemetry import setup_tracing, shutdown_tracing
+
+if TYPE_CHECKING:  # the gateway and tokenizer never load torch
+    from shared.engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +61,8 @@ class Service:
         self.instance_id = cfg.instance_id or f"{self.kind}-{socket.gethostname()}-{os.getpid()}"
         self.metrics_url: str | None = None
         self.bus: Bus
+        self._main_queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple, Future] | None]
+        self._main_queue = queue.SimpleQueue()
 
     async def start(self) -> None:
         """Subscribe handlers (self.bus is connected)."""
@@ -59,26 +73,64 @@ class Service:
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(self.kind, self.instance_id, self.metrics_url)
 
-    async def run(self) -> None:
+    async def on_main(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on the main thread and wait for it."""
+        done: Future[T] = Future()
+        self._main_queue.put((fn, args, done))
+        return await asyncio.wrap_future(done)
+
+    def main_loop(self) -> None:
+        """The main thread's work until the service stops: calls from `on_main`."""
+        while (item := self._main_queue.get()) is not None:
+            fn, args, done = item
+            try:
+                done.set_result(fn(*args))
+            except Exception as exc:
+                done.set_exception(exc)
+
+    def stop_main_loop(self) -> None:
+        self._main_queue.put(None)
+
+    def serve(self) -> None:
+        """Run the service: asyncio on an io thread, `main_loop` here, until a signal."""
+        failure: list[BaseException] = []
+
+        def io() -> None:
+            try:
+                asyncio.run(self._io())
+            except BaseException as exc:
+                failure.append(exc)
+            finally:
+                self.stop_main_loop()
+
+        self._stopping = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._stopping.set())
+        thread = threading.Thread(target=io, name="io")
+        thread.start()
+        self.main_loop()
+        self._stopping.set()
+        thread.join()
+        if failure:
+            raise failure[0]
+
+    async def _io(self) -> None:
         setup_tracing(self.kind, self.instance_id)
         if self.cfg.metrics_port is not None:
             port = self.cfg.metrics_port or free_port(self.cfg.metrics_host)
             start_http_server(port, self.cfg.metrics_host)
             self.metrics_url = f"http://{self.cfg.metrics_host}:{port}/metrics"
         self.bus = await Bus.connect(self.cfg.nats_url, self.instance_id)
-        stopping = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stopping.set)
         await self.start()
         log.info("%s ready", self.instance_id)
         subject = HEARTBEAT.format(kind=self.kind)
-        while not stopping.is_set():
-            await self.bus.publish(subject, self.heartbeat())
-            try:
-                await asyncio.wait_for(stopping.wait(), self.cfg.heartbeat_interval)
-            except TimeoutError:
-                pass
+        interval = self.cfg.heartbeat_interval
+        next_beat = 0.0
+        while not self._stopping.is_set():  # set by a signal on the main thread
+            if time.monotonic() >= next_beat:
+                await self.bus.publish(subject, self.heartbeat())
+                next_beat = time.monotonic() + interval
+            await asyncio.sleep(min(0.1, interval))
         goodbye = self.heartbeat()
         goodbye.leaving = True
         await self.bus.publish(subject, goodbye)
@@ -101,7 +153,18 @@ def service_main(
     )
     configs: list[Any] = [dataclass_from_args(cls, args) for cls in config_classes]
     try:
-        service = service_cls(dataclass_from_args(ServiceConfig, args), *configs)
-        asyncio.run(service.run())
+        service_cls(dataclass_from_args(ServiceConfig, args), *configs).serve()
     except (ValueError, ConnectionError) as exc:  # bad options, unreachable servers
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
+
+
+class EngineService(Service):
+    """A service whose main thread runs an engine's step loop (prefill, decode)."""
+
+    driver: AsyncEngine
+
+    def main_loop(self) -> None:
+        self.driver.run()
+
+    def stop_main_loop(self) -> None:
+        self.driver.shutdown()

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from deployment import chat, specmesh_up
 
 from shared.tokenizer import Tokenizer
 
@@ -24,49 +20,16 @@ PROMPTS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(smollm_dir: Path) -> Iterator[str]:
-    yield from run_server(smollm_dir)
+    with specmesh_up(smollm_dir) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def ngram_server(smollm_dir: Path) -> Iterator[str]:
-    yield from run_server(smollm_dir, "--speculative-algorithm", "NGRAM")
-
-
-def run_server(model: Path, *extra: str) -> Iterator[str]:
-    """`specmesh up` in a subprocess on a free port, until the caller is done with it."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--model", str(model)]
-        + ["--port", str(port), "--kv-cache-gb", "0.25", *extra],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, "specmesh up exited during start-up"
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "specmesh up did not become healthy in 120 s"
-        time.sleep(0.5)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
-
-
-def chat(url: str, content: str, **extra: object) -> httpx.Response:
-    body = {"messages": [{"role": "user", "content": content}], **extra}
-    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    with specmesh_up(smollm_dir, "--speculative-algorithm", "NGRAM") as url:
+        yield url
 
 
 def test_models_and_health(server: str) -> None:

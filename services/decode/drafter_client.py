@@ -32,22 +32,19 @@ log = logging.getLogger(__name__)
 
 
 class DrafterClient:
-    def __init__(
-        self,
-        bus: Bus,
-        loop: asyncio.AbstractEventLoop,
-        algorithm: str,
-        num_layers: int,
-        vocab_size: int,
-        timeout_s: float,
-    ) -> None:
-        self.bus, self.loop = bus, loop
+    def __init__(self, algorithm: str, num_layers: int, vocab_size: int, timeout_s: float) -> None:
+        self.bus: Bus
+        self.loop: asyncio.AbstractEventLoop
         self.target_features = target_feature_layers(algorithm, num_layers)
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.drafter_of: dict[str, str] = {}  # request id -> drafter instance
         self.context_of: dict[str, Context] = {}  # request id -> its trace context
         self.last_token: dict[str, int] = {}  # the root of the request's next tree
+
+    def connect(self, bus: Bus, loop: asyncio.AbstractEventLoop) -> None:
+        """The bus to reach drafters through, and the event loop it runs on."""
+        self.bus, self.loop = bus, loop
 
     def assign(self, request_id: str, drafter_id: str | None, ctx: Context) -> None:
         """Called before the request reaches the engine; None: no drafts for it."""

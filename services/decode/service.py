@@ -36,7 +36,7 @@ from shared.protocol import (
     TokenBatch,
     decode_subject,
 )
-from shared.service import Service, ServiceConfig
+from shared.service import EngineService, ServiceConfig
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.tree import DraftTree
 from shared.telemetry import (
@@ -59,7 +59,7 @@ class DecodeConfig:
     overlap: bool = option(
         True, "keep two micro-batches in flight: one is drafted while the other is verified"
     )
-    draft_timeout: float = option(10.0, "seconds to wait for a drafter's trees")
+    draft_timeout: float = option(5.0, "seconds to wait for a drafter's trees")
 
 
 class DecodeEngine(LLMEngine):
@@ -74,7 +74,7 @@ class DecodeEngine(LLMEngine):
         return outputs
 
 
-class DecodeService(Service):
+class DecodeService(EngineService):
     kind = "decode"
 
     def __init__(
@@ -88,36 +88,32 @@ class DecodeService(Service):
         super().__init__(cfg)
         self.spec = spec.resolved() if spec.enabled else None
         ecfg.model = str(resolve_model(ecfg.model))
-        self.ecfg, self.dcfg = ecfg, dcfg
         self.transport = tcfg.open()
-        self.ttl_s = tcfg.kv_ttl
         self.streams: dict[str, asyncio.Task[None]] = {}
-
-    async def start(self) -> None:
-        # The drafter client needs the running loop, so the engine is built here.
-        loop = asyncio.get_running_loop()
         self.client: DrafterClient | None = None
         if self.spec is not None:
-            mcfg = ModelConfig.from_file(Path(self.ecfg.model) / "config.json")
+            mcfg = ModelConfig.from_file(Path(ecfg.model) / "config.json")
             algorithm = self.spec.speculative_algorithm
             self.client = DrafterClient(
-                self.bus, loop, algorithm, mcfg.num_layers, mcfg.vocab_size, self.dcfg.draft_timeout
+                algorithm, mcfg.num_layers, mcfg.vocab_size, dcfg.draft_timeout
             )
-        engine = DecodeEngine(self.ecfg, self.spec, self.client, self.dcfg.overlap)
-        fingerprint = model_fingerprint(engine.model, self.ecfg.block_size)
-        engine.kv_exchange = KVExchange(
-            engine.kv_cache, self.transport, fingerprint, self.ttl_s, self.kind
+        self.engine = DecodeEngine(ecfg, self.spec, self.client, dcfg.overlap)
+        fingerprint = model_fingerprint(self.engine.model, ecfg.block_size)
+        self.engine.kv_exchange = KVExchange(
+            self.engine.kv_cache, self.transport, fingerprint, tcfg.kv_ttl, self.kind
         )
-        self.engine = engine
-        self.driver = AsyncEngine(engine)
+        self.driver = AsyncEngine(self.engine, own_thread=False)
         self._draft_wait_reported = 0.0
+
+    async def start(self) -> None:
+        if self.client is not None:
+            self.client.connect(self.bus, asyncio.get_running_loop())
         await self.bus.serve(decode_subject(self.instance_id), self.admit)
         await self.bus.serve(ABORT, self.abort)
 
     async def stop(self) -> None:
         for task in list(self.streams.values()):
             task.cancel()
-        self.driver.shutdown()
         self.transport.close()
 
     def heartbeat(self) -> Heartbeat:

@@ -2,13 +2,12 @@
 
 Decode workers address an instance directly; its messages (open, close, draft
 step) are handled one at a time in arrival order, so a request's state always
-sees its tokens in order. Drafting runs off the event loop, so heartbeats go
-on while a draft model computes.
+sees its tokens in order. Drafting runs on the main thread, off the event
+loop, so heartbeats go on while a draft model computes.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 
@@ -19,6 +18,8 @@ from shared.config import model_option, option, resolve_device, resolve_dtype
 from shared.model.fetch import resolve_model
 from shared.model.loader import load_model
 from shared.protocol import (
+    ABORT,
+    Abort,
     DraftClose,
     DraftItem,
     DraftOpen,
@@ -59,6 +60,7 @@ class DrafterService(Service):
 
     async def start(self) -> None:
         await self.bus.serve(drafter_subject(self.instance_id), self.handle)
+        await self.bus.serve(ABORT, self.abort)
 
     def heartbeat(self) -> Heartbeat:
         ACTIVE_REQUESTS.labels(self.kind).set(len(self.open_requests))
@@ -71,25 +73,33 @@ class DrafterService(Service):
         )
 
     async def handle(self, msg: DraftOpen | DraftClose | DraftStep) -> DraftReply | None:
+        # Draft state changes only on the main thread, one call at a time.
         if isinstance(msg, DraftOpen):
-            self.drafter.open(msg.request_id, msg.token_ids)
+            await self.on_main(self.drafter.open, msg.request_id, msg.token_ids)
             self.open_requests.add(msg.request_id)
         elif isinstance(msg, DraftClose):
-            if msg.request_id in self.open_requests:
-                self.open_requests.discard(msg.request_id)
-                self.drafter.close(msg.request_id)
+            await self.on_main(self._close, msg.request_id)
         elif isinstance(msg, DraftStep):
             unknown = [i.request_id for i in msg.items if i.request_id not in self.open_requests]
             if unknown:
                 raise ValueError(f"draft step for requests never opened here: {unknown}")
             start = time.perf_counter()
             requests = [self._request(item) for item in msg.items]
-            trees = await asyncio.to_thread(self.drafter.propose, requests)
+            trees = await self.on_main(self.drafter.propose, requests)
             DRAFT_SECONDS.observe(time.perf_counter() - start)
             return DraftReply([DraftTreeMsg(t.tokens, t.parents) for t in trees])
         else:
             raise ValueError(f"a drafter does not handle {type(msg).__name__}")
         return None
+
+    async def abort(self, msg: Abort) -> None:
+        """A request ended without its decode worker closing it (the worker died)."""
+        await self.on_main(self._close, msg.request_id)
+
+    def _close(self, request_id: str) -> None:
+        if request_id in self.open_requests:
+            self.open_requests.discard(request_id)
+            self.drafter.close(request_id)
 
     def _request(self, item: DraftItem) -> DraftRequest:
         features = None

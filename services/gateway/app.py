@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
@@ -20,6 +21,8 @@ from shared.bus import BusError
 from shared.protocol import RemoteError, TextDelta, TokenizeRequest
 from shared.sampling.params import SamplingParams
 from shared.telemetry import E2E, GENERATION_TOKENS, ITL, PROMPT_TOKENS, REQUESTS, TTFT
+
+tracer = trace.get_tracer("specmesh.gateway")
 
 
 class APIError(Exception):
@@ -156,7 +159,11 @@ def build_app(cluster: Cluster, model_name: str, model_path: str) -> FastAPI:
             request_id, messages=messages, chat_template_kwargs=req.chat_template_kwargs, stop=stop
         )
         try:
-            placement, deltas = await cluster.submit(tokenize, params)
+            # The request's trace: every service's spans for it hang below this one.
+            with tracer.start_as_current_span(
+                "POST /v1/chat/completions", attributes={"specmesh.request_id": request_id}
+            ):
+                placement, deltas = await cluster.submit(tokenize, params)
         except RemoteError as exc:
             type_ = _ERROR_TYPES.get(exc.status, "invalid_request_error")
             raise APIError(exc.status, str(exc), type_) from exc

@@ -189,7 +189,7 @@ class Cluster:
                 yield delta
         finally:
             self._forget(request_id)
-            if not finished:
+            if not finished or delta.finish_reason == "error":  # clean up everywhere
                 await self.bus.publish(ABORT, Abort(request_id))
 
     def _forget(self, request_id: str) -> None:

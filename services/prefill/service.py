@@ -18,13 +18,14 @@ from shared.engine.sequence import RemotePrefix, Sequence
 from shared.engine.speculation import SpecStats
 from shared.kvcache.exchange import KVExchange, model_fingerprint
 from shared.model.fetch import resolve_model
-from shared.protocol import PREFILL, PrefillReply, PrefillRequest
-from shared.service import Service, ServiceConfig
+from shared.protocol import PREFILL, Heartbeat, PrefillReply, PrefillRequest
+from shared.service import EngineService, ServiceConfig
 from shared.telemetry import (
     ACTIVE_REQUESTS,
     KV_BLOCKS_FREE,
     KV_BLOCKS_USED,
     PREFILL_TOKENS,
+    QUEUE_LENGTH,
 )
 from shared.transport import KVTransport, TransportConfig
 
@@ -49,7 +50,7 @@ class PrefillEngine(LLMEngine):
         return super()._finish(seq)
 
 
-class PrefillService(Service):
+class PrefillService(EngineService):
     kind = "prefill"
 
     def __init__(self, cfg: ServiceConfig, ecfg: EngineConfig, tcfg: TransportConfig) -> None:
@@ -57,13 +58,12 @@ class PrefillService(Service):
         ecfg.model = str(resolve_model(ecfg.model))
         self.transport = tcfg.open()
         self.engine = PrefillEngine(ecfg, self.transport, tcfg.kv_ttl)
-        self.loop_driver = AsyncEngine(self.engine)
+        self.driver = AsyncEngine(self.engine, own_thread=False)
 
     async def start(self) -> None:
         await self.bus.serve(PREFILL, self.prefill, queue="prefill", concurrent=True)
 
     async def stop(self) -> None:
-        self.loop_driver.shutdown()
         self.transport.close()
 
     async def prefill(self, req: PrefillRequest) -> PrefillReply:
@@ -79,13 +79,12 @@ class PrefillService(Service):
         params = dataclasses.replace(req.params, max_tokens=1)
         ACTIVE_REQUESTS.labels(self.kind).inc()
         try:
-            async for outputs in self.loop_driver.generate(
+            async for outputs in self.driver.generate(
                 req.request_id, req.prompt_ids, params, remote
             ):
                 first = outputs[0]
         finally:
             ACTIVE_REQUESTS.labels(self.kind).dec()
-            self._report()
         keys, state = engine.handoff.pop(req.request_id)
         computed = len(req.prompt_ids) - first.num_reused_tokens
         PREFILL_TOKENS.labels("computed").inc(computed)
@@ -94,7 +93,18 @@ class PrefillService(Service):
             first.token_id, first.logprob, first.top_logprobs, keys, computed, state
         )
 
-    def _report(self) -> None:
+    def heartbeat(self) -> Heartbeat:
         blocks = self.engine.block_manager
+        waiting = len(self.engine.scheduler.waiting)
+        QUEUE_LENGTH.labels(self.kind).set(waiting)
         KV_BLOCKS_FREE.labels(self.kind).set(blocks.num_free)
         KV_BLOCKS_USED.labels(self.kind).set(len(blocks.blocks) - blocks.num_free)
+        return Heartbeat(
+            self.kind,
+            self.instance_id,
+            self.metrics_url,
+            active_requests=len(self.engine.sequences),
+            waiting_requests=waiting,
+            kv_blocks_free=blocks.num_free,
+            kv_blocks_total=len(blocks.blocks),
+        )

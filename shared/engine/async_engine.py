@@ -1,7 +1,11 @@
-"""Drives an LLMEngine from a background thread for asyncio servers.
+"""Drives an LLMEngine for asyncio code running on another thread.
 
 The step loop owns the engine; requests and aborts reach it through an inbox,
-so an HTTP handler never waits for a model step to finish.
+so an asyncio handler never waits for a model step to finish. The loop runs on
+a thread of its own, or (services) on the process's main thread: torch's
+parallel CPU kernels run up to ~1.7x slower on a thread started later (measured
+on our 2-core machines: a decode step 35 -> 55 ms), so the services keep model
+work on the main thread and their asyncio loop on another.
 """
 
 from __future__ import annotations
@@ -21,15 +25,18 @@ _Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[list[TokenOutput] | Ex
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, own_thread: bool = True) -> None:
+        """Without `own_thread`, the caller runs `run()` (on the main thread)."""
         self.engine = engine
         self._inbox: list[Callable[[], None]] = []
         self._inbox_lock = threading.Lock()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if own_thread:
+            self._thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
+            self._thread.start()
 
     def _post(self, command: Callable[[], None]) -> None:
         with self._inbox_lock:
@@ -69,7 +76,8 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
 
     def _add(
         self,
@@ -93,14 +101,15 @@ class AsyncEngine:
             loop, queue = stream
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The step loop, until shutdown()."""
         while not self._stopped:
             with self._inbox_lock:
                 commands, self._inbox = self._inbox, []
             for command in commands:
                 command()
             if not self.engine.has_work():
-                self._wake.wait()
+                self._wake.wait(0.5)  # a timeout lets the main thread take signals
                 self._wake.clear()
                 continue
             try:

@@ -1,0 +1,105 @@
+"""Helpers for tests that run the system as users do: `specmesh up`, real HTTP, real NATS."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import nats
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared.infra import free_port
+from shared.protocol import HEARTBEAT, Heartbeat, decode
+
+
+@contextmanager
+def specmesh_up(
+    model: Path, *args: str, env: dict[str, str] | None = None, log: Path | None = None
+) -> Iterator[str]:
+    """`specmesh up` in a subprocess on a free port until the block ends; yields its URL
+    once it says it is up. Its output goes to `log` (to check what it printed)."""
+    port = free_port()
+    log = log or Path(tempfile.mkdtemp()) / "up.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up", "--model", str(model)]
+            + ["--port", str(port), "--kv-cache-gb", "0.25", *args],
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            stdout=out,
+        )
+    try:
+        deadline = time.monotonic() + 180
+        while "specmesh is up" not in log.read_text():
+            assert proc.poll() is None, f"specmesh up exited during start-up:\n{log.read_text()}"
+            assert time.monotonic() < deadline, "specmesh up did not come up in 180 s"
+            time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def chat(url: str, content: str, **extra: object) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": content}], **extra}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+
+
+def chat_text(url: str, content: str, **extra: object) -> str:
+    response = chat(url, content, **extra)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def stream_chat(url: str, content: str, **extra: object) -> list[dict]:
+    """The parsed SSE chunks of a streamed chat request (without the final [DONE])."""
+    body = {"messages": [{"role": "user", "content": content}], "stream": True, **extra}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    return [json.loads(e) for e in events[:-1]]
+
+
+def streamed_text(chunks: list[dict]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+
+
+def heartbeats(nats_url: str, seconds: float = 2.5) -> dict[str, Heartbeat]:
+    """The instances heartbeating on `nats_url`, by id (listens for `seconds`)."""
+
+    async def listen() -> dict[str, Heartbeat]:
+        seen: dict[str, Heartbeat] = {}
+        nc = await nats.connect(nats_url)
+
+        async def on_message(msg: nats.aio.msg.Msg) -> None:
+            beat = decode(msg.data, Heartbeat)
+            seen[beat.instance_id] = beat
+
+        await nc.subscribe(HEARTBEAT.format(kind="*"), cb=on_message)
+        await asyncio.sleep(seconds)
+        await nc.close()
+        return seen
+
+    return asyncio.run(listen())
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Prometheus samples at `url`: (sample name, sorted labels) -> value."""
+    text = httpx.get(url, timeout=10).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def sample(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)

@@ -1,0 +1,253 @@
+"""The five services as separate processes over real NATS and a real KV store.
+
+Each deployment gets its own nats-server (so deployments never see each other)
+and `specmesh up` pointed at it. Greedy output over HTTP must equal the
+in-process engine's, token for token, whatever the placement.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from deployment import (
+    chat,
+    chat_text,
+    heartbeats,
+    sample,
+    scrape,
+    specmesh_up,
+    stream_chat,
+    streamed_text,
+)
+from otlp_receiver import OtlpReceiver
+from test_speculative import tiny_llama
+
+from shared.engine.engine import EngineConfig, LLMEngine
+from shared.infra import ServerProcess, start_nats, start_valkey
+from shared.sampling.params import SamplingParams
+from shared.tokenizer import Tokenizer
+
+PROMPTS = [
+    "Repeat exactly: red green blue, red green blue, red green blue.",
+    "What is the capital of France?",
+    "Rewrite with snake_case names:\ndef getValue(myInput):\n    myResult = myInput * 2\n",
+    "Write a haiku about autumn leaves.",
+    "List the days of the week.",
+    "Give two reasons to learn Rust.",
+    "Spell the word 'banana' letter by letter.",
+    "Count from one to ten in words.",
+]
+MAX_TOKENS = 40
+GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS}
+SERVICES = {"gateway", "tokenizer", "prefill", "decode", "drafter"}
+
+
+@pytest.fixture(scope="module")
+def reference(smollm_dir: Path) -> dict[str, str]:
+    """The in-process engine's greedy text for each prompt."""
+    tok = Tokenizer(smollm_dir)
+    engine = LLMEngine(EngineConfig(model=str(smollm_dir), kv_cache_gb=0.25))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    return {
+        p: tok.decode(out) for p, out in zip(PROMPTS, engine.generate(ids, params), strict=True)
+    }
+
+
+@pytest.fixture(scope="module")
+def valkey() -> Iterator[ServerProcess]:
+    with start_valkey() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[OtlpReceiver]:
+    with OtlpReceiver() as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def ngram(
+    smollm_dir: Path, valkey: ServerProcess, receiver: OtlpReceiver
+) -> Iterator[tuple[str, str]]:
+    """NGRAM, Redis KV transport, no overlap, spans to the receiver: (HTTP url, NATS url)."""
+    args = ["--speculative-algorithm", "NGRAM", "--kv-transport", "redis"]
+    args += ["--redis-url", valkey.url, "--kv-namespace", "ngram-test", "--no-overlap"]
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    with start_nats() as bus, specmesh_up(smollm_dir, "--nats-url", bus.url, *args, env=env) as url:
+        yield url, bus.url
+
+
+@pytest.fixture(scope="module")
+def standalone(
+    smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, str, Path]]:
+    """STANDALONE (a random draft model), shm transport, overlap on, 2 decoders and
+    2 drafters: (HTTP url, NATS url, launcher output)."""
+    draft = tiny_llama(tmp_path_factory.mktemp("draft"), vocab=49152, seed=0)
+    log = tmp_path_factory.mktemp("up") / "up.log"
+    args = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", draft]
+    args += ["--decoders", "2", "--drafters", "2", "--kv-namespace", "standalone-test"]
+    with (
+        start_nats() as bus,
+        specmesh_up(smollm_dir, "--nats-url", bus.url, *args, log=log) as url,
+    ):
+        yield url, bus.url, log
+
+
+def test_ngram_pipeline_equals_the_in_process_engine(
+    ngram: tuple[str, str], reference: dict[str, str]
+) -> None:
+    url, _ = ngram
+    for prompt in PROMPTS:
+        assert chat_text(url, prompt, **GREEDY) == reference[prompt]
+        assert streamed_text(stream_chat(url, prompt, **GREEDY)) == reference[prompt]
+    state = httpx.get(f"{url}/get_server_info").json()["internal_states"][0]
+    assert state["speculative_algorithm"] == "NGRAM" and state["avg_spec_accept_length"] > 1.0
+
+
+def test_kv_blocks_travel_through_redis(ngram: tuple[str, str], valkey: ServerProcess) -> None:
+    url, nats_url = ngram
+    chat_text(url, "Name three colours.", **GREEDY)
+    metrics = {
+        b.kind: scrape(b.metrics_url) for b in heartbeats(nats_url).values() if b.metrics_url
+    }
+    written = sample(
+        metrics["prefill"], "specmesh_kv_transport_bytes_total", **_kv("prefill", "write")
+    )
+    read = sample(metrics["decode"], "specmesh_kv_transport_bytes_total", **_kv("decode", "read"))
+    assert written > 0 and read > 0
+    keys = redis.Redis.from_url(valkey.url).keys("ngram-test:*")
+    assert keys, "no KV blocks in the store"
+
+
+def _kv(service: str, direction: str) -> dict[str, str]:
+    return {"service": service, "direction": direction}
+
+
+def test_shared_prefix_is_computed_once(ngram: tuple[str, str], smollm_dir: Path) -> None:
+    url, nats_url = ngram
+    tok = Tokenizer(smollm_dir)
+    document = " ".join(f"Item {i} is a {['red', 'blue', 'green'][i % 3]} box." for i in range(80))
+    assert len(tok.encode(document)) > 600
+    (prefill,) = [b for b in heartbeats(nats_url).values() if b.kind == "prefill"]
+    before = scrape(prefill.metrics_url)
+    bodies = [
+        chat(url, f"{document}\nQuestion {q}: what colour is item {q}?", **GREEDY).json()
+        for q in (7, 8)
+    ]
+    after = scrape(prefill.metrics_url)
+    computed = [
+        sample(m, "specmesh_prefill_tokens_total", source="computed") for m in (before, after)
+    ]
+    first, second = (b["usage"] for b in bodies)
+    assert second["prompt_tokens_details"]["cached_tokens"] >= 512
+    # Prefill computed the first prompt whole and only the tail of the second.
+    assert computed[1] - computed[0] == (
+        first["prompt_tokens"]
+        - first["prompt_tokens_details"]["cached_tokens"]
+        + second["prompt_tokens"]
+        - second["prompt_tokens_details"]["cached_tokens"]
+    )
+    assert second["prompt_tokens"] - second["prompt_tokens_details"]["cached_tokens"] < 64
+
+
+def test_one_trace_covers_all_five_services(ngram: tuple[str, str], receiver: OtlpReceiver) -> None:
+    url, _ = ngram
+    response = chat(url, "Say hello.", **GREEDY)
+    request_id = response.headers["x-request-id"]
+    assert response.json()["id"] == request_id
+
+    def services_in_trace(spans: list) -> set[str]:
+        roots = [s for s in spans if s.attributes.get("specmesh.request_id") == request_id]
+        if not roots:
+            return set()
+        trace_id = roots[0].trace_id
+        return {s.service.removeprefix("specmesh-") for s in spans if s.trace_id == trace_id}
+
+    receiver.wait_for(lambda spans: services_in_trace(spans) >= SERVICES, timeout=20)
+
+
+def test_two_decoders_two_drafters_under_concurrency(
+    standalone: tuple[str, str, Path], reference: dict[str, str]
+) -> None:
+    url, nats_url, log = standalone
+    launched = log.read_text()
+    for instance in ("decode-0", "decode-1", "drafter-0", "drafter-1"):
+        assert instance in launched  # `specmesh up` lists every process it started
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(lambda p: chat_text(url, p, **GREEDY), PROMPTS))
+    assert texts == [reference[p] for p in PROMPTS]
+    streamed = streamed_text(stream_chat(url, PROMPTS[2], **GREEDY))
+    assert streamed == reference[PROMPTS[2]]
+    gateway = scrape(f"{url}/metrics")
+    for kind in ("decode", "drafter"):
+        for i in (0, 1):
+            routed = sample(
+                gateway, "specmesh_routed_requests_total", kind=kind, instance=f"{kind}-{i}"
+            )
+            assert routed >= 2, f"{kind}-{i} got {routed} requests"
+    for beat in heartbeats(nats_url).values():
+        if beat.kind == "decode":  # both workers verified drafts, both pulled KV blocks
+            metrics = scrape(beat.metrics_url)
+            assert sample(metrics, "specmesh_spec_verify_steps_total", algorithm="STANDALONE")
+            assert sample(metrics, "specmesh_kv_transport_bytes_total", **_kv("decode", "read"))
+
+
+def _start_instance(kind: str, nats_url: str, instance: str, *args: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", f"services.{kind}", "--nats-url", nats_url]
+    return subprocess.Popen([*argv, "--instance-id", instance, *args])
+
+
+def _wait_for_instances(url: str, kind: str, count: int, timeout: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        state = httpx.get(f"{url}/get_server_info").json()["internal_states"][0]
+        if state["instances"][kind] == count:
+            return time.monotonic() - start
+        time.sleep(0.2)
+    raise AssertionError(f"the gateway did not see {count} {kind} instances in {timeout} s")
+
+
+def test_instances_join_and_leave_at_run_time(
+    standalone: tuple[str, str, Path], smollm_dir: Path, reference: dict[str, str]
+) -> None:
+    url, nats_url, _ = standalone
+    draft = ["--speculative-algorithm", "NGRAM"]
+    joined = _start_instance("drafter", nats_url, "drafter-extra", *draft)
+    decode_args = ["--model", str(smollm_dir), "--kv-cache-gb", "0.1"]
+    decode_args += ["--kv-namespace", "standalone-test", "--speculative-algorithm", "STANDALONE"]
+    decode_args += ["--speculative-draft-model-path", str(smollm_dir)]
+    extra_decode = _start_instance("decode", nats_url, "decode-extra", *decode_args)
+    try:
+        _wait_for_instances(url, "drafter", 3, timeout=60)
+        _wait_for_instances(url, "decode", 3, timeout=120)
+        joined.send_signal(signal.SIGKILL)  # gone without a goodbye: noticed by silence
+        assert _wait_for_instances(url, "drafter", 2, timeout=10) < 6
+        extra_decode.send_signal(signal.SIGTERM)  # a clean exit says goodbye
+        assert _wait_for_instances(url, "decode", 2, timeout=10) < 3
+        assert extra_decode.wait(timeout=30) == 0
+    finally:
+        for proc in (joined, extra_decode):
+            proc.kill()
+            proc.wait()
+    assert chat_text(url, PROMPTS[1], **GREEDY) == reference[PROMPTS[1]]
+
+
+def test_bad_instance_flags_fail_clearly() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "services.drafter", "--nats-url", "nats://127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "needs --speculative-algorithm" in result.stderr
