@@ -140,10 +140,9 @@ class Launcher:
             "drafter": up.drafters if self.configs.spec.enabled else 0,
             "gateway": 1,
         }
-        # Several processes share the cores: OpenMP threads that spin while waiting would
-        # steal them from the others (c=8 throughput measured 0.4-0.6x in-process with
-        # spinning, ~0.9x without).
-        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
+        # Processes share the cores: all but decode (the critical path) wait for OpenMP
+        # work passively, so their idle threads do not spin on decode's cores.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for kind, count in counts.items():
             for i in range(count):
                 instance = f"{kind}-{i}"
@@ -153,7 +152,7 @@ class Launcher:
                     argv += ["--metrics-port", "0"]
                 self.children[instance] = subprocess.Popen(
                     argv,
-                    env=env,
+                    env=env if kind == "decode" else {"OMP_WAIT_POLICY": "PASSIVE", **env},
                     start_new_session=True,  # Ctrl-C reaches us; we stop them in order
                     preexec_fn=die_with_parent(),
                 )

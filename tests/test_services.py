@@ -29,7 +29,7 @@ from deployment import (
     streamed_text,
 )
 from otlp_receiver import OtlpReceiver
-from test_speculative import tiny_llama
+from test_speculative import tiny_llama, write_eagle_head
 
 from shared.engine.engine import EngineConfig, LLMEngine
 from shared.infra import ServerProcess, start_nats, start_valkey
@@ -102,6 +102,15 @@ def standalone(
         specmesh_up(smollm_dir, "--nats-url", bus.url, *args, log=log) as url,
     ):
         yield url, bus.url, log
+
+
+@pytest.fixture(scope="module")
+def eagle3(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """EAGLE-3 (a random head): target features travel with each draft step."""
+    head = write_eagle_head(tmp_path_factory.mktemp("eagle3"), eagle3=True)
+    args = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", head]
+    with start_nats() as bus, specmesh_up(smollm_dir, "--nats-url", bus.url, *args) as url:
+        yield url
 
 
 def test_ngram_pipeline_equals_the_in_process_engine(
@@ -201,6 +210,13 @@ def test_two_decoders_two_drafters_under_concurrency(
             metrics = scrape(beat.metrics_url)
             assert sample(metrics, "specmesh_spec_verify_steps_total", algorithm="STANDALONE")
             assert sample(metrics, "specmesh_kv_transport_bytes_total", **_kv("decode", "read"))
+
+
+def test_eagle3_over_the_services_is_lossless(eagle3: str, reference: dict[str, str]) -> None:
+    for prompt in PROMPTS[:3]:
+        assert chat_text(eagle3, prompt, **GREEDY) == reference[prompt]
+    state = httpx.get(f"{eagle3}/get_server_info").json()["internal_states"][0]
+    assert state["speculative_algorithm"] == "EAGLE3" and state["spec_draft_tokens"] > 0
 
 
 def _start_instance(kind: str, nats_url: str, instance: str, *args: str) -> subprocess.Popen:

@@ -162,8 +162,10 @@ def build_app(cluster: Cluster, model_name: str, model_path: str) -> FastAPI:
             # The request's trace: every service's spans for it hang below this one.
             with tracer.start_as_current_span(
                 "POST /v1/chat/completions", attributes={"specmesh.request_id": request_id}
-            ):
+            ) as span:
                 placement, deltas = await cluster.submit(tokenize, params)
+                span.set_attribute("specmesh.decode", placement.decode_id)
+                span.set_attribute("specmesh.drafter", placement.drafter_id or "")
         except RemoteError as exc:
             type_ = _ERROR_TYPES.get(exc.status, "invalid_request_error")
             raise APIError(exc.status, str(exc), type_) from exc

@@ -85,7 +85,7 @@ class TransportConfig:
     kv_transport: str = option("shm", "KV transport: shm (one host) or redis (across hosts)")
     redis_url: str | None = option(None, "redis://host:port of the KV store (--kv-transport redis)")
     kv_namespace: str = option("specmesh", "namespace of this deployment's blocks in the store")
-    kv_ttl: float = option(600.0, "seconds a stored KV block lives after its last use")
+    kv_ttl: float = option(60.0, "seconds a stored KV block lives after its last use")
 
     def open(self) -> KVTransport:
         return make_transport(self.kv_transport, self.kv_namespace, self.redis_url)
