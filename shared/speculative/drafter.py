@@ -9,6 +9,7 @@ per step, and a model-based drafter can run one forward for all requests.
 
 from __future__ import annotations
 
+import abc
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
@@ -47,11 +48,11 @@ class Drafter(Protocol):
     def close(self, request_id: str) -> None: ...
 
 
-class LocalDrafter:
+class LocalDrafter(abc.ABC):
     """Base of drafters in the caller's process: drafting is done when `submit` returns."""
 
-    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]: ...
 
     def submit(self, requests: list[DraftRequest]) -> Future[list[DraftTree]]:
         done: Future[list[DraftTree]] = Future()
