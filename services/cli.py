@@ -7,8 +7,9 @@ import logging
 import sys
 
 from services.decode.service import DecodeConfig
-from services.gateway.service import GatewayConfig
+from services.gateway.config import GatewayConfig
 from services.launcher import Configs, Launcher, UpConfig
+from shared.bus import NatsAuth
 from shared.config import add_dataclass_args, dataclass_from_args
 from shared.engine.engine import EngineConfig
 from shared.speculative.config import SpeculativeConfig
@@ -21,6 +22,7 @@ _UP_CONFIGS = {
     "spec": SpeculativeConfig,
     "transport": TransportConfig,
     "decode": DecodeConfig,
+    "nats": NatsAuth,
 }
 
 
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         args.run(args)
-    except ValueError as exc:  # a bad option combination: say so, no traceback
+    except (ValueError, ConnectionError) as exc:  # bad options, unreachable servers: no traceback
         parser.exit(2, f"specmesh {args.command}: error: {exc}\n")
 
 

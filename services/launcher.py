@@ -15,20 +15,19 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-
-import nats
-from nats.aio.msg import Msg
+from typing import Any
 
 from services.decode.service import DecodeConfig
 from services.drafter.service import DrafterConfig
-from services.gateway.service import GatewayConfig
+from services.gateway.config import GatewayConfig
 from services.tokenizer.service import TokenizerConfig
-from shared.config import dataclass_argv, option
+from shared.bus import Bus, NatsAuth
+from shared.config import dataclass_argv, dataclass_secrets, option
 from shared.engine.engine import EngineConfig
 from shared.infra import ServerProcess, die_with_parent, start_nats, start_valkey
-from shared.protocol import HEARTBEAT, Heartbeat, decode
+from shared.protocol import HEARTBEAT, Heartbeat
 from shared.speculative.config import SpeculativeConfig
-from shared.transport import TransportConfig
+from shared.transport import DEFAULT_KV_NAMESPACE, TransportConfig
 
 READY_TIMEOUT_S = 600  # first start-up may fetch and convert the model
 
@@ -51,6 +50,7 @@ class Configs:
     spec: SpeculativeConfig
     transport: TransportConfig
     decode: DecodeConfig
+    nats: NatsAuth
     tokenizer: TokenizerConfig = field(init=False)
     drafter: DrafterConfig = field(init=False)
 
@@ -60,15 +60,22 @@ class Configs:
         self.tokenizer = TokenizerConfig(model)
         self.drafter = DrafterConfig(model, device, dtype)
 
-    def service_argv(self, kind: str) -> list[str]:
-        configs = {
+    def service_configs(self, kind: str) -> list[Any]:
+        own = {
             "tokenizer": [self.tokenizer],
             "prefill": [self.engine, self.transport],
             "decode": [self.engine, self.spec, self.transport, self.decode],
             "drafter": [self.drafter, self.spec],
             "gateway": [self.gateway],
         }[kind]
-        return [arg for config in configs for arg in dataclass_argv(config)]
+        return [self.nats, *own]
+
+    def service_argv(self, kind: str) -> list[str]:
+        return [arg for config in self.service_configs(kind) for arg in dataclass_argv(config)]
+
+    def service_env(self, kind: str) -> dict[str, str]:
+        """Secrets travel in the environment, not on the command line."""
+        return {k: v for c in self.service_configs(kind) for k, v in dataclass_secrets(c).items()}
 
 
 class Launcher:
@@ -92,19 +99,21 @@ class Launcher:
         if transport.kv_transport == "redis" and transport.redis_url is None:
             self.servers.append(start_valkey())
             transport.redis_url = self.servers[-1].url
+        if transport.kv_namespace == DEFAULT_KV_NAMESPACE:
+            # Deployments on one host must not share (or clean up) each other's blocks.
+            transport.kv_namespace = f"{DEFAULT_KV_NAMESPACE}-{self.configs.gateway.port}"
         transport.open().close()  # a bad transport option fails here, before any model loads
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        nc = await nats.connect(nats_url, name="specmesh-up")
+        bus = await Bus.connect(nats_url, "specmesh-up", self.configs.nats)
         seen: dict[str, str | None] = {}
 
-        async def on_heartbeat(msg: Msg) -> None:
-            beat = decode(msg.data, Heartbeat)
+        async def on_heartbeat(beat: Heartbeat) -> None:
             seen[beat.instance_id] = beat.metrics_url
 
-        await nc.subscribe(HEARTBEAT.format(kind="*"), cb=on_heartbeat)
+        await bus.serve(HEARTBEAT.format(kind="*"), on_heartbeat)
         self._start_services(nats_url)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not set(self.children) <= set(seen):
@@ -125,10 +134,10 @@ class Launcher:
             dead = self._dead()
             if dead:
                 print(f"specmesh up: {dead}; stopping", flush=True)
-                await nc.close()
+                await bus.close()
                 return 1
             await asyncio.sleep(0.5)
-        await nc.close()
+        await bus.close()
         return 0
 
     def _start_services(self, nats_url: str) -> None:
@@ -150,9 +159,12 @@ class Launcher:
                 argv += ["--instance-id", instance, *self.configs.service_argv(kind)]
                 if up.metrics and kind != "gateway":  # the gateway serves /metrics itself
                     argv += ["--metrics-port", "0"]
+                child_env = {**env, **self.configs.service_env(kind)}
+                if kind != "decode":
+                    child_env = {"OMP_WAIT_POLICY": "PASSIVE", **child_env}
                 self.children[instance] = subprocess.Popen(
                     argv,
-                    env=env if kind == "decode" else {"OMP_WAIT_POLICY": "PASSIVE", **env},
+                    env=child_env,
                     start_new_session=True,  # Ctrl-C reaches us; we stop them in order
                     preexec_fn=die_with_parent(),
                 )

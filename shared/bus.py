@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import nats
@@ -20,6 +22,7 @@ from nats.aio.subscription import Subscription
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
+from shared.config import option, secret_option
 from shared.protocol import ErrorReply, ProtocolError, RemoteError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -31,6 +34,41 @@ Handler = Callable[[Any], Awaitable[Any]]
 
 class BusError(RuntimeError):
     """No answer in time, or nobody serves the subject."""
+
+
+@dataclass
+class NatsAuth:
+    """How a process proves who it is to NATS and encrypts the connection (all optional;
+    a `tls://` URL turns TLS on with the system's CAs)."""
+
+    nats_user: str | None = option(None, "NATS user (with --nats-password)")
+    nats_password: str | None = secret_option("NATS password")
+    nats_token: str | None = secret_option("NATS authentication token")
+    nats_creds: str | None = option(None, "NATS credentials file (user JWT and NKey seed)")
+    nats_tls_ca: str | None = option(None, "CA file to verify the NATS server by (turns TLS on)")
+    nats_tls_cert: str | None = option(None, "client certificate for NATS mutual TLS")
+    nats_tls_key: str | None = option(None, "client certificate's key for NATS mutual TLS")
+
+    def connect_options(self) -> dict[str, Any]:
+        """Keyword arguments for `nats.connect`."""
+        options: dict[str, Any] = {}
+        if self.nats_user:
+            options.update(user=self.nats_user, password=self.nats_password)
+        if self.nats_token:
+            options["token"] = self.nats_token
+        if self.nats_creds:
+            options["user_credentials"] = self.nats_creds
+        if self.nats_tls_key and not self.nats_tls_cert:
+            raise ValueError("--nats-tls-key needs --nats-tls-cert")
+        if self.nats_tls_ca or self.nats_tls_cert:
+            try:
+                context = ssl.create_default_context(cafile=self.nats_tls_ca)
+                if self.nats_tls_cert:
+                    context.load_cert_chain(self.nats_tls_cert, self.nats_tls_key)
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"NATS TLS files: {exc}") from exc
+            options["tls"] = context
+        return options
 
 
 def _headers(ctx: otel_context.Context | None) -> dict[str, str]:
@@ -47,10 +85,20 @@ class Bus:
         self._tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
-    async def connect(cls, url: str, name: str) -> Bus:
+    async def connect(cls, url: str, name: str, auth: NatsAuth | None = None) -> Bus:
+        options = (auth or NatsAuth()).connect_options()
         try:
+            # A client that reconnects forever also retries its first connect forever, so a
+            # wrong URL or password would hang: one plain attempt first fails fast instead.
+            probe = await nats.connect(url, connect_timeout=5, allow_reconnect=False, **options)
+            await probe.close()
             nc = await nats.connect(
-                url, name=name, connect_timeout=5, max_reconnect_attempts=-1, allow_reconnect=True
+                url,
+                name=name,
+                connect_timeout=5,
+                max_reconnect_attempts=-1,
+                allow_reconnect=True,
+                **options,
             )
         except Exception as exc:
             raise ConnectionError(f"cannot reach NATS at {url}: {exc}") from exc

@@ -68,6 +68,12 @@ def option(default: Any, help: str) -> Any:
     return dataclasses.field(default=default, metadata={"help": help})
 
 
+def secret_option(help: str) -> Any:
+    """An option holding a secret: child processes get it through their environment,
+    never on a command line that `ps` shows."""
+    return dataclasses.field(default=None, metadata={"help": help, "secret": True})
+
+
 def model_option() -> Any:
     """The `--model` option, in every config that names the served model."""
     return option(None, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -88,16 +94,23 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         env = "SPECMESH_" + f.name.upper()
         default = os.environ.get(env, f.default)
         help_text = f"{f.metadata.get('help', '')} [env {env}]"
+        flag = f"--{f.name.replace('_', '-')}"
+        if f.metadata.get("secret"):  # a secret may also come from a file (mounted secrets)
+            parser.add_argument(
+                f"{flag}-file",
+                default=os.environ.get(f"{env}_FILE"),
+                help=f"read {flag} from this file when it is not set [env {env}_FILE]",
+            )
         if kind is bool:
             parser.add_argument(
-                f"--{f.name.replace('_', '-')}",
+                flag,
                 action=argparse.BooleanOptionalAction,
                 default=str(default).lower() in ("1", "true", "yes"),
                 help=help_text,
             )
         else:
             parser.add_argument(
-                f"--{f.name.replace('_', '-')}",
+                flag,
                 type=kind,
                 default=None if default is None else kind(default),
                 help=help_text,
@@ -105,11 +118,12 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
 
 
 def dataclass_argv(config: Any) -> list[str]:
-    """Command-line flags that recreate `config`'s non-default fields (for child processes)."""
+    """Command-line flags that recreate `config`'s non-default fields (for child processes);
+    secrets are left out (see `dataclass_secrets`)."""
     argv = []
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        if value == f.default or value is None:
+        if value == f.default or value is None or f.metadata.get("secret"):
             continue
         flag = f"--{f.name.replace('_', '-')}"
         if isinstance(value, bool):
@@ -119,7 +133,31 @@ def dataclass_argv(config: Any) -> list[str]:
     return argv
 
 
+def dataclass_secrets(config: Any) -> dict[str, str]:
+    """The environment variables that pass `config`'s secrets to a child process."""
+    return {
+        "SPECMESH_" + f.name.upper(): str(getattr(config, f.name))
+        for f in dataclasses.fields(config)
+        if f.metadata.get("secret") and getattr(config, f.name) is not None
+    }
+
+
 def dataclass_from_args(cls: type[T], args: argparse.Namespace) -> T:
-    names = {f.name for f in dataclasses.fields(cls)}
-    values: dict[str, Any] = {k: v for k, v in vars(args).items() if k in names}
+    """The config from parsed options; an unset secret is read from its `--*-file`."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if not hasattr(args, f.name):
+            continue
+        values[f.name] = getattr(args, f.name)
+        path = getattr(args, f"{f.name}_file", None)
+        if values[f.name] is None and path and f.metadata.get("secret"):
+            values[f.name] = read_secret(path)
     return cls(**values)
+
+
+def read_secret(path: str) -> str:
+    """A secret file's content, without the line break editors and `echo` leave at the end."""
+    try:
+        return Path(path).read_text().rstrip("\r\n")
+    except OSError as exc:
+        raise ValueError(f"cannot read secret file {path}: {exc.strerror}") from exc

@@ -64,12 +64,16 @@ class TokenizeRequest:
     prompt_ids: list[int] | None = None  # already tokenized
     chat_template_kwargs: dict[str, Any] | None = None
     stop: list[str] | None = None  # the tokenizer instance keeps them for detokenizing
+    tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, for the template
+    tool_parser: str | None = None  # the call format, for templates that do not take tools
+    assistant_prefix: str = ""  # appended after the generation prompt (forces a tool call)
 
 
 @dataclass
 class TokenizeReply:
     prompt_ids: list[int]
     tokenizer_id: str  # detokenizes this request's output (it holds its stop strings)
+    prompt_text: str  # the prompt as the model sees it (completions echo it)
 
 
 @dataclass
@@ -88,7 +92,6 @@ class PrefillReply:
     top_logprobs: list[tuple[int, float]] | None
     kv_keys: list[str]  # transport keys of the prompt's blocks, the last one maybe partial
     num_computed_tokens: int  # prompt tokens prefill computed (the rest were reused)
-    generator_state: bytes | None = None  # seeded sampling continues where prefill left it
 
 
 @dataclass
@@ -196,6 +199,7 @@ class Heartbeat:
     kv_blocks_total: int = 0
     leaving: bool = False
     algorithm: str | None = None  # decode and drafters: the speculative algorithm
+    max_model_len: int = 0  # decode: the longest prompt + output it runs
 
 
 _MESSAGES: dict[str, type] = {
@@ -227,7 +231,10 @@ def encode(msg: Any) -> bytes:
     name = type(msg).__name__
     if _MESSAGES.get(name) is not type(msg):
         raise ProtocolError(f"{name} is not a protocol message")
-    return msgpack.packb({"v": PROTOCOL_VERSION, "t": name, "f": _fields(msg)})
+    try:
+        return msgpack.packb({"v": PROTOCOL_VERSION, "t": name, "f": _fields(msg)})
+    except (OverflowError, TypeError, ValueError) as exc:  # e.g. an int beyond 64 bits
+        raise ProtocolError(f"cannot encode {name}: {exc}") from exc
 
 
 def _fields(obj: Any) -> Any:

@@ -8,6 +8,9 @@ subscriptions and flushes its spans.
 Model work runs on the main thread (see shared/engine/async_engine.py for why),
 the asyncio side (NATS, HTTP) on an "io" thread. Handlers hand blocking work to
 the main thread with `await self.on_main(fn, *args)`.
+
+With `--metrics-port`, a small HTTP server (its own thread) serves `/metrics` and
+`/health` for orchestrators: 200 once the service is connected to NATS and serving.
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from http.server import ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
 
-from prometheus_client import start_http_server
+from prometheus_client.exposition import MetricsHandler
 
-from shared.bus import Bus
+from shared.bus import Bus, NatsAuth
 from shared.config import add_dataclass_args, dataclass_from_args, option
-from shared.infra import free_port
 from shared.protocol import HEARTBEAT, Heartbeat
 from shared.telemetry import setup_tracing, shutdown_tracing
 
@@ -40,15 +44,46 @@ if TYPE_CHECKING:  # the gateway and tokenizer never load torch
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+SHUTDOWN_TIMEOUT_S = 30.0  # goodbye, handlers finishing, NATS drain
+
+
+_WILDCARDS = ("", "0.0.0.0", "::")
 
 
 @dataclass
-class ServiceConfig:
-    nats_url: str = option("nats://127.0.0.1:4222", "NATS server URL")
+class ServiceConfig(NatsAuth):
+    nats_url: str = option("nats://127.0.0.1:4222", "NATS server URL (tls://... for TLS)")
     instance_id: str | None = option(None, "unique instance name (default: <kind>-<host>-<pid>)")
-    metrics_port: int | None = option(None, "serve Prometheus /metrics here (0: a free port)")
-    metrics_host: str = option("127.0.0.1", "address /metrics binds to")
+    metrics_port: int | None = option(
+        None, "serve Prometheus /metrics and /health here (0: a free port)"
+    )
+    metrics_host: str = option("127.0.0.1", "address /metrics binds to (0.0.0.0: all)")
     heartbeat_interval: float = option(1.0, "seconds between heartbeats")
+
+
+class _MetricsServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, host: str, port: int, service: Service) -> None:
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.service = service
+        super().__init__((host, port), _MetricsHandler)
+
+
+class _MetricsHandler(MetricsHandler):
+    server: _MetricsServer
+
+    def do_GET(self) -> None:
+        if urlsplit(self.path).path != "/health":
+            super().do_GET()
+            return
+        healthy = self.server.service.healthy()
+        body = b"ok\n" if healthy else b"not serving: NATS not connected\n"
+        self.send_response(200 if healthy else 503)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
 
 class Service:
@@ -60,6 +95,7 @@ class Service:
         self.cfg = cfg
         self.instance_id = cfg.instance_id or f"{self.kind}-{socket.gethostname()}-{os.getpid()}"
         self.metrics_url: str | None = None
+        self._serving = False  # subscribed and heartbeating
         self.bus: Bus
         self._main_queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple, Future] | None]
         self._main_queue = queue.SimpleQueue()
@@ -72,6 +108,10 @@ class Service:
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(self.kind, self.instance_id, self.metrics_url)
+
+    def healthy(self) -> bool:
+        """What /health reports: serving and connected to NATS (not while reconnecting)."""
+        return self._serving and self.bus.nc.is_connected
 
     async def on_main(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on the main thread and wait for it."""
@@ -106,22 +146,24 @@ class Service:
         self._stopping = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self._stopping.set())
-        thread = threading.Thread(target=io, name="io")
+        # A daemon, so a stuck shutdown cannot keep the process alive past the join.
+        thread = threading.Thread(target=io, name="io", daemon=True)
         thread.start()
-        self.main_loop()
-        self._stopping.set()
-        thread.join()
+        try:
+            self.main_loop()
+        finally:  # a crashed main loop stops the service too, instead of leaving it half-alive
+            self._stopping.set()
+            thread.join(SHUTDOWN_TIMEOUT_S)
         if failure:
             raise failure[0]
 
     async def _io(self) -> None:
         setup_tracing(self.kind, self.instance_id)
         if self.cfg.metrics_port is not None:
-            port = self.cfg.metrics_port or free_port(self.cfg.metrics_host)
-            start_http_server(port, self.cfg.metrics_host)
-            self.metrics_url = f"http://{self.cfg.metrics_host}:{port}/metrics"
-        self.bus = await Bus.connect(self.cfg.nats_url, self.instance_id)
+            self._serve_metrics(self.cfg.metrics_host, self.cfg.metrics_port)
+        self.bus = await Bus.connect(self.cfg.nats_url, self.instance_id, self.cfg)
         await self.start()
+        self._serving = True
         log.info("%s ready", self.instance_id)
         subject = HEARTBEAT.format(kind=self.kind)
         interval = self.cfg.heartbeat_interval
@@ -131,12 +173,22 @@ class Service:
                 await self.bus.publish(subject, self.heartbeat())
                 next_beat = time.monotonic() + interval
             await asyncio.sleep(min(0.1, interval))
+        self._serving = False
         goodbye = self.heartbeat()
         goodbye.leaving = True
         await self.bus.publish(subject, goodbye)
         await self.stop()
         await self.bus.close()
         shutdown_tracing()
+
+    def _serve_metrics(self, host: str, port: int) -> None:
+        server = _MetricsServer(host, port, self)
+        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+        # Heartbeats carry the URL for others to scrape: a wildcard bind is reached by name.
+        advertised = socket.gethostname() if host in _WILDCARDS else host
+        if ":" in advertised:
+            advertised = f"[{advertised}]"
+        self.metrics_url = f"http://{advertised}:{server.server_address[1]}/metrics"
 
 
 def service_main(
@@ -151,8 +203,8 @@ def service_main(
         level=os.environ.get("SPECMESH_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s {service_cls.kind} %(name)s %(levelname)s %(message)s",
     )
-    configs: list[Any] = [dataclass_from_args(cls, args) for cls in config_classes]
     try:
+        configs: list[Any] = [dataclass_from_args(cls, args) for cls in config_classes]
         service_cls(dataclass_from_args(ServiceConfig, args), *configs).serve()
     except (ValueError, ConnectionError) as exc:  # bad options, unreachable servers
         parser.exit(2, f"{parser.prog}: error: {exc}\n")

@@ -16,6 +16,8 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from shared.parsers import held_back
+
 
 def _raise(message: str) -> None:
     raise TemplateError(message)
@@ -44,6 +46,7 @@ class Tokenizer:
             raise_exception=_raise, strftime_now=lambda f: datetime.now().strftime(f)
         )
         self._template = env.from_string(template) if template else None
+        self.template_source = template or ""
 
     @property
     def vocab_size(self) -> int:
@@ -131,10 +134,7 @@ class TextStream:
                 self.text = self.text[: min(hits)]
                 self.stopped = True
             else:
-                hold = max(
-                    (k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])),
-                    default=0,
-                )
+                hold = held_back(self.text, self.stop)
         return self._emit(len(self.text) - hold)
 
     def flush(self) -> str:

@@ -70,10 +70,10 @@ def run_prefilled(
     for i, ids in enumerate(prompts):
         rid = f"r{i}"
         (first,) = prefill.generate([ids], dataclasses.replace(params, max_tokens=1))
-        keys, state = prefill.handoff.popitem()[1]
+        keys = prefill.handoff.popitem()[1]
         if lose_blocks:
             prefill.kv_exchange.transport.delete_many(keys)
-        first_token = FirstToken(first[0], generator_state=state)
+        first_token = FirstToken(first[0])
         emitted = decode.add_request(rid, ids, params, RemotePrefix(keys, len(ids)), first_token)
         outputs[rid] = [o.token_id for o in emitted]
     while decode.has_work():
@@ -92,6 +92,15 @@ def test_prefilled_prompts_decode_exactly_like_local_ones(
     # Decode loaded every prompt and computed one token per step, nothing more.
     assert split[1].stats.computed_tokens == sum(len(out) - 1 for out in reference)
     assert transport.bytes_read >= transport.bytes_written > 0
+
+
+def test_prefilled_seeded_sampling_matches_local(
+    split: tuple[PrefillEngine, LLMEngine], prompt_ids: list[list[int]]
+) -> None:
+    # Draws are keyed by token position, so no generator state travels with the request.
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16)
+    local = split[1].generate(prompt_ids[:3], params)
+    assert run_prefilled(split, prompt_ids[:3], params) == local
 
 
 def test_missing_blocks_are_computed_instead(

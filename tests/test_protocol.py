@@ -25,7 +25,7 @@ from shared.sampling.params import SamplingParams
 
 
 def test_nested_messages_round_trip() -> None:
-    prefill = PrefillReply(7, -0.5, [(7, -0.5), (9, -1.25)], ["k0", "k1"], 12, b"\x00\x01")
+    prefill = PrefillReply(7, -0.5, [(7, -0.5), (9, -1.25)], ["k0", "k1"], 12)
     admit = AdmitRequest(
         "r1", [1, 2, 3], SamplingParams(temperature=0.7, seed=3), prefill, "d0", "a", "b"
     )

@@ -12,7 +12,7 @@ from shared.sampling.sampler import (
     Sampler,
     apply_penalties,
     draw,
-    make_generator,
+    position_generator,
     to_probs,
 )
 
@@ -149,27 +149,42 @@ def test_seed_reproducible_regardless_of_batch() -> None:
     torch.manual_seed(4)
     logits = torch.randn(1, 1000) * 0.1  # nearly flat: a tiny RNG change shows
 
-    def run(batch: int, pos: int, others_seeded: bool, steps: int = 8) -> list[int]:
-        gens = [make_generator(100 + i if others_seeded else None, "cpu") for i in range(batch)]
-        gens[pos] = make_generator(1234, "cpu")
+    def run(batch: int, pos: int, others_seeded: bool, seed: int = 1234) -> list[int]:
         params = [P(temperature=1.0, top_p=0.9) for _ in range(batch)]
         x = logits.repeat(batch, 1)
-        return [sample(x, params, gens=gens).token_ids[pos] for _ in range(steps)]
+        tokens = []
+        for position in range(10, 18):  # eight decode steps
+            gens = [
+                position_generator(100 + i if others_seeded else None, position, "cpu")
+                for i in range(batch)
+            ]
+            gens[pos] = position_generator(seed, position, "cpu")
+            tokens.append(sample(x, params, gens=gens).token_ids[pos])
+        return tokens
 
     ref = run(1, 0, False)
+    assert len(set(ref)) > 1  # each position draws afresh
     assert run(1, 0, False) == ref
     assert run(5, 3, False) == ref
     assert run(7, 6, True) == ref
-    gens = [make_generator(4321, "cpu")]
-    other = [sample(logits, [P(top_p=0.9)], gens=gens).token_ids[0] for _ in range(8)]
-    assert other != ref
+    assert run(1, 0, False, seed=4321) != ref
 
 
-def test_make_generator() -> None:
-    assert make_generator(None, "cpu") is None
-    a, b = make_generator(7, "cpu"), make_generator(7, torch.device("cpu"))
-    assert a is not None and b is not None
-    assert torch.equal(torch.rand(5, generator=a), torch.rand(5, generator=b))
+def test_position_generator() -> None:
+    assert position_generator(None, 3, "cpu") is None
+
+    def draws(seed: int, position: int, device: str | torch.device = "cpu") -> torch.Tensor:
+        gen = position_generator(seed, position, device)
+        assert gen is not None
+        return torch.rand(5, generator=gen)
+
+    # Fresh each time: the same seed and position give the same draws, on any call.
+    assert torch.equal(draws(7, 3), draws(7, 3))
+    assert torch.equal(draws(7, 3), draws(7, 3, torch.device("cpu")))
+    assert not torch.equal(draws(7, 3), draws(7, 4))
+    assert not torch.equal(draws(7, 3), draws(8, 3))
+    assert not torch.equal(draws(1, 0), draws(0, 1))  # seed and position do not mix up
+    assert not torch.equal(draws(-1, 0), draws(1, 0))
 
 
 def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
@@ -188,9 +203,8 @@ def test_empirical_frequencies_match_to_probs(seeded: bool) -> None:
     probs = to_probs(logits, [params])[0]
     assert int((probs > 0).sum()) == 5  # both truncations are active
     n = 20_000
-    # All rows share one generator in the seeded case: exercises the per-row path.
-    gen = make_generator(99, "cpu")
-    gens = [gen if seeded else None] * n
+    # Seeded: one position per row, so draws keyed by position must be as good as a stream.
+    gens = [position_generator(99, i, "cpu") if seeded else None for i in range(n)]
     tokens = torch.tensor(sample(logits.repeat(n, 1), [params] * n, gens=gens).token_ids)
     # 4 degrees of freedom: P(chi2 > 25) ~ 5e-5; the seed is fixed, so this is deterministic.
     assert chi_square(tokens, probs) < 25
@@ -261,7 +275,7 @@ def test_logprobs_are_raw_log_softmax() -> None:
         P(logprobs=None),
         P(temperature=0, logprobs=0),
     ]
-    gens = [make_generator(1, "cpu"), None, None]
+    gens = [position_generator(1, 0, "cpu"), None, None]
     out = sample(logits, params, [[1, 2, 3]] * 3, [[4, 5]] * 3, gens)
     raw = torch.log_softmax(logits, dim=-1)
     for i in (0, 2):

@@ -85,7 +85,7 @@ def test_stop_string_cuts_the_text(server: str) -> None:
 @pytest.mark.parametrize(
     ("extra", "status", "param"),
     [
-        ({"temperature": 3}, 400, None),
+        ({"temperature": 3}, 400, "temperature"),
         ({"max_tokens": "many"}, 400, "max_tokens"),
         ({"model": "no-such-model"}, 404, "model"),
         ({"max_tokens": 10**7}, 400, None),

@@ -183,7 +183,10 @@ def test_one_trace_covers_all_five_services(ngram: tuple[str, str], receiver: Ot
         trace_id = roots[0].trace_id
         return {s.service.removeprefix("specmesh-") for s in spans if s.trace_id == trace_id}
 
-    receiver.wait_for(lambda spans: services_in_trace(spans) >= SERVICES, timeout=20)
+    spans = receiver.wait_for(lambda spans: services_in_trace(spans) >= SERVICES, timeout=20)
+    # The id sits on one span, the gateway's: search the traces by it.
+    (tagged,) = [s for s in spans if s.attributes.get("specmesh.request_id") == request_id]
+    assert tagged.service == "specmesh-gateway"
 
 
 def test_two_decoders_two_drafters_under_concurrency(

@@ -11,6 +11,7 @@ import torch
 
 from shared.engine.engine import EngineConfig, LLMEngine
 from shared.sampling.params import SamplingParams
+from shared.sampling.sampler import draw, position_generator
 from shared.speculative.accept import accept_sampling
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.tree import DraftTree
@@ -123,6 +124,29 @@ def test_greedy_speculation_is_lossless(
     assert engine.block_manager.num_free == engine.kv_cache.num_blocks  # nothing leaked
 
 
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24)
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_seeded_sampling_ignores_speculation(
+    algorithm: str, smollm_dir: Path, random_draft: str, prompt_ids: list[list[int]]
+) -> None:
+    prompts = prompt_ids[:4]
+    plain = LLMEngine(EngineConfig(model=str(smollm_dir), kv_cache_gb=0.25))
+    want = [plain.generate([ids], SEEDED)[0] for ids in prompts]
+    spec: dict[str, object] = {"speculative_algorithm": algorithm}
+    if algorithm == "STANDALONE":
+        spec["speculative_draft_model_path"] = random_draft
+    engine = spec_engine(smollm_dir, **spec)
+    # Repeated: NGRAM drafts the second time from what the first time added to its trie.
+    for _ in range(2):
+        assert [engine.generate([ids], SEEDED)[0] for ids in prompts] == want
+    assert engine.generate(prompts, SEEDED) == want
+    stats = engine.speculator.stats
+    # The random draft is all but always rejected: there every token is a bonus token.
+    assert stats.draft_tokens > 0 and (stats.accepted_tokens > 0 or algorithm == "STANDALONE")
+
+
 def test_target_as_its_own_draft_accepts_everything(
     smollm_dir: Path, prompt_ids: list[list[int]], reference: list[list[int]]
 ) -> None:
@@ -182,14 +206,15 @@ def chi_square(counts: Counter, probs: dict, n: int) -> tuple[float, int]:
 
 
 def _accept_without_residual(
-    tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None, *_: float
+    tree: DraftTree, probs: torch.Tensor, seed: int | None, position: int, *_: float
 ) -> tuple[list[int], list[int]]:
     """A plausible mistake: after rejecting drafts, draw the bonus from the unmodified p."""
+    gen = position_generator(seed, position, probs.device)
     children = [i for i in range(1, len(tree)) if tree.parents[i] == 0]
     for child in children:
-        if torch.rand((), generator=generator).item() < probs[0, tree.tokens[child]].item():
+        if torch.rand((), generator=gen).item() < probs[0, tree.tokens[child]].item():
             return [0, child], [tree.tokens[child], int(probs[child].argmax())]
-    return [0], [int(torch.multinomial(probs[0], 1, generator=generator).item())]
+    return [0], [int(draw(probs[:1], [gen])[0])]
 
 
 @pytest.mark.parametrize("rule", ["exact", "wrong"])
@@ -225,28 +250,68 @@ def test_speculative_sampling_matches_the_target_distribution(
         assert stat > bound, (stat, dof)
 
 
-def _wrong_accept(tree: DraftTree, probs: torch.Tensor, gen: torch.Generator) -> list[int]:
+def _wrong_accept(tree: DraftTree, probs: torch.Tensor, seed: int) -> list[int]:
     """A plausible mistake: on rejection, draw the bonus from p without removing the draft."""
-    node, out = 0, []
-    children = [i for i in range(1, len(tree)) if tree.parents[i] == node]
+    gen = position_generator(seed, 0, "cpu")
+    children = [i for i in range(1, len(tree)) if tree.parents[i] == 0]
     for child in children:
-        if torch.rand((), generator=gen).item() < probs[node, tree.tokens[child]].item():
+        if torch.rand((), generator=gen).item() < probs[0, tree.tokens[child]].item():
             return [tree.tokens[child]]
-    out.append(int(torch.multinomial(probs[node], 1, generator=gen).item()))
-    return out
+    return [int(draw(probs[:1], [gen])[0])]
 
 
 def test_acceptance_rule_is_exact_and_a_wrong_rule_is_caught() -> None:
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25] * 4, [0.25] * 4])
     tree = DraftTree([9, 0, 1], [-1, 0, 0])  # two competing drafts for the first token
     target = {(t,): probs[0, t].item() for t in range(4)}
-    gen = torch.Generator().manual_seed(0)
-    right = Counter(tuple(accept_sampling(tree, probs, gen)[1][:1]) for _ in range(8000))
-    wrong = Counter(tuple(_wrong_accept(tree, probs, gen)) for _ in range(8000))
+    accepted: Counter[int | None] = Counter()
+    right: Counter[tuple[int, ...]] = Counter()
+    for seed in range(8000):
+        path, emitted = accept_sampling(tree, probs, seed, 0)
+        accepted[path[1] if len(path) > 1 else None] += 1
+        right[tuple(emitted[:1])] += 1
+    wrong = Counter(tuple(_wrong_accept(tree, probs, seed)) for seed in range(8000))
     ok, dof = chi_square(right, target, 8000)
     bad, _ = chi_square(wrong, target, 8000)
     assert ok < dof + 4.5 * (2 * dof) ** 0.5
     assert bad > 10 * (dof + 4.5 * (2 * dof) ** 0.5)
+    # Draft 0 is accepted with p(0) = 0.5, draft 1 with 0.3, i.e. p(1) / (1 - p(0)) after
+    # draft 0 is rejected, as in sequential rejection sampling.
+    expected = {1: 0.5, 2: 0.3, None: 0.2}
+    stat, dof = chi_square(accepted, expected, 8000)
+    assert stat < dof + 4.5 * (2 * dof) ** 0.5
+
+
+def test_sampled_tokens_do_not_depend_on_the_drafts() -> None:
+    """Whatever the tree, the token at each position is the one a plain draw with that
+    position's generator gives; drafts only decide how many come out of one step."""
+    gen = torch.Generator().manual_seed(3)
+    vocab, position = 5, 40
+    for seed in range(300):
+        n = int(torch.randint(1, 8, (), generator=gen))
+        parents = [-1] + [int(torch.randint(0, i, (), generator=gen)) for i in range(1, n)]
+        tokens = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        probs = torch.rand(n, vocab, generator=gen) ** 3
+        path, emitted = accept_sampling(DraftTree(tokens, parents), probs, seed, position)
+        assert [tokens[i] for i in path[1:]] == emitted[:-1]
+        for depth, node in enumerate(path):
+            plain = position_generator(seed, position + depth, "cpu")
+            assert emitted[depth] == int(draw(probs[node : node + 1], [plain])[0])
+
+
+def test_lossy_thresholds_accept_more_and_stay_seeded() -> None:
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.25] * 4])
+    tree = DraftTree([9, 1], [-1, 0])
+
+    def accepted(seed: int, single: float, acc: float) -> bool:
+        return len(accept_sampling(tree, probs, seed, 7, single, acc)[0]) > 1
+
+    exact = sum(accepted(s, 1.0, 1.0) for s in range(2000))
+    assert all(accepted(s, 0.3, 1.0) for s in range(50))  # share 0.3 reaches the threshold
+    lossy = [accepted(s, 1.0, 0.5) for s in range(2000)]
+    # Accepted when sampled (0.3), or else with probability 0.3 / 0.5: 0.3 + 0.7 * 0.6.
+    assert abs(exact / 2000 - 0.3) < 0.05 and abs(sum(lossy) / 2000 - 0.72) < 0.05
+    assert lossy == [accepted(s, 1.0, 0.5) for s in range(2000)]
 
 
 @pytest.mark.parametrize(

@@ -136,6 +136,7 @@ class DecodeService(EngineService):
             kv_blocks_free=blocks.num_free,
             kv_blocks_total=len(blocks.blocks),
             algorithm=self.spec.speculative_algorithm if self.spec else None,
+            max_model_len=engine.max_model_len,
         )
 
     async def admit(self, req: AdmitRequest) -> Admitted:
@@ -151,7 +152,7 @@ class DecodeService(EngineService):
             req.prompt_ids,
             req.params,
             RemotePrefix(pre.kv_keys, len(req.prompt_ids)),
-            FirstToken(pre.first_token, pre.logprob, pre.top_logprobs, pre.generator_state),
+            FirstToken(pre.first_token, pre.logprob, pre.top_logprobs),
         )
         task = asyncio.create_task(self._forward(req, stream, ctx))
         self.streams[req.request_id] = task

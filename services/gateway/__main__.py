@@ -1,4 +1,5 @@
-from services.gateway.service import GatewayConfig, GatewayService
+from services.gateway.config import GatewayConfig
+from services.gateway.service import GatewayService
 from shared.service import service_main
 
 service_main(GatewayService, [GatewayConfig])

@@ -1,11 +1,19 @@
-"""The gateway's FastAPI app: OpenAI routes over the services (see cluster.py)."""
+"""The gateway's FastAPI app: the OpenAI API over the services (see cluster.py).
+
+Every error leaves as OpenAI error JSON (see errors.py). A request becomes one
+sequence per choice and prompt; a client that goes away, streaming or not,
+aborts its sequences in every service.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -14,97 +22,86 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.gateway.cluster import Cluster, Placement, Unavailable
-from services.gateway.protocol import ChatCompletionRequest
+from services.gateway.chat import ChatChoice, ChatPlan, merge_message
+from services.gateway.cluster import Cluster, Generation, Overloaded, Placement, Unavailable
+from services.gateway.completions import CompletionChoice, merge_logprobs, tokenize_request
+from services.gateway.config import GatewayConfig
+from services.gateway.errors import APIError, error_body, error_response
+from services.gateway.schema import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from shared.bus import BusError
-from shared.protocol import RemoteError, TextDelta, TokenizeRequest
+from shared.config import DEFAULT_MODEL_NAME
+from shared.parsers.reasoning import make_reasoning_parser
+from shared.parsers.tools import make_tool_parser
+from shared.protocol import ProtocolError, RemoteError, TextDelta
 from shared.sampling.params import SamplingParams
-from shared.telemetry import E2E, GENERATION_TOKENS, ITL, PROMPT_TOKENS, REQUESTS, TTFT
 
 tracer = trace.get_tracer("specmesh.gateway")
 
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+SEED_RANGE = 2**63  # per-choice seeds stay in int64
 
 
-_ERROR_TYPES = {404: "not_found_error", 503: "service_unavailable_error", 500: "server_error"}
+class Guard:
+    """ASGI middleware: the API key on /v1 routes, and the request body size limit."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int) -> None:
+        self.app, self.api_key, self.max_body = app, api_key, max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_key and scope["path"].startswith("/v1"):
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                response = error_response(401, "invalid or missing API key (Authorization: Bearer)")
+                return await response(scope, receive, send)
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_body:
+            status = 413 if length.isdigit() else 400
+            message = f"request body over {self.max_body} bytes" if status == 413 else "bad length"
+            return await error_response(status, message)(scope, receive, send)
+        received = 0
+
+        async def counted() -> Message:  # bodies sent without a length are counted too
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_body:
+                raise APIError(413, f"request body over {self.max_body} bytes")
+            return message
+
+        await self.app(scope, counted, send)
 
 
-def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
-
-
-def _sampling_params(req: ChatCompletionRequest) -> SamplingParams:
-    if req.n != 1:
-        raise APIError(400, "only n=1 is supported", param="n")
-    if req.top_logprobs is not None and not req.logprobs:
-        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-    params = SamplingParams(
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        seed=req.seed,
-        repetition_penalty=req.repetition_penalty,
-        frequency_penalty=req.frequency_penalty,
-        presence_penalty=req.presence_penalty,
-        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-        max_tokens=req.max_completion_tokens or req.max_tokens or 256,
-        ignore_eos=req.ignore_eos,
-    )
-    try:
-        params.validate()
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from exc
-    return params
-
-
-class ServerStats:
-    """Totals over finished requests, for /get_server_info."""
-
-    def __init__(self) -> None:
-        self.requests = self.generated_tokens = 0
-        self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0
-
-    def add(self, usage_tokens: int, spec: dict[str, int] | None) -> None:
-        self.requests += 1
-        self.generated_tokens += usage_tokens
-        if spec:
-            self.spec_steps += spec["steps"]
-            self.spec_draft_tokens += spec["draft_tokens"]
-            self.spec_accepted_tokens += spec["accepted_tokens"]
-
-
-def build_app(cluster: Cluster, model_name: str, model_path: str) -> FastAPI:
-    app = FastAPI(title="specmesh")
+def build_app(cluster: Cluster, cfg: GatewayConfig) -> FastAPI:
+    model_name = cfg.model_name
+    tool_parser = make_tool_parser(cfg.tool_call_parser) if cfg.tool_call_parser else None
+    reasoning = make_reasoning_parser(cfg.reasoning_parser) if cfg.reasoning_parser else None
+    app = FastAPI(title="specmesh", summary="OpenAI-compatible API with speculative decoding")
+    app.add_middleware(Guard, api_key=cfg.api_key, max_body=cfg.max_request_bytes)
     created = int(time.time())
-    stats = ServerStats()
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.type, exc.param)
+        return error_response(exc.status, exc.message, exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"] if p != "body") or None
-        return _error(400, f"{param}: {first['msg']}", "invalid_request_error", param)
+        message = f"{param}: {first['msg']}" if param else first["msg"]
+        return error_response(400, message, param)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        type_ = _ERROR_TYPES.get(exc.status_code, "invalid_request_error")
-        return _error(exc.status_code, str(exc.detail), type_)
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {type(exc).__name__}")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -121,6 +118,7 @@ def build_app(cluster: Cluster, model_name: str, model_path: str) -> FastAPI:
     async def server_info() -> dict[str, Any]:
         """State in SGLang's shape (bench_serving reads avg_spec_accept_length)."""
         decoders = [i.heartbeat for i in cluster.live("decode")]
+        stats = cluster.stats
         state: dict[str, Any] = {
             "finished_requests": stats.requests,
             "generated_tokens": stats.generated_tokens,
@@ -132,152 +130,319 @@ def build_app(cluster: Cluster, model_name: str, model_path: str) -> FastAPI:
         if algorithms:
             state.update(
                 speculative_algorithm=",".join(sorted(algorithms)),
-                avg_spec_accept_length=(
-                    1 + stats.spec_accepted_tokens / stats.spec_steps if stats.spec_steps else 0.0
+                avg_spec_accept_length=_acceptance_length(
+                    stats.spec_steps, stats.spec_accepted_tokens
                 ),
                 spec_verify_steps=stats.spec_steps,
                 spec_draft_tokens=stats.spec_draft_tokens,
                 spec_accepted_tokens=stats.spec_accepted_tokens,
             )
-        return {"model_path": model_path, "internal_states": [state]}
+        return {"model_path": cfg.model or DEFAULT_MODEL_NAME, "internal_states": [state]}
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "specmesh"}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "specmesh"}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card()]}
 
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat(req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
-        arrival = time.perf_counter()
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise APIError(404, f"model {model_id!r} not found", "model")
+        return model_card()
+
+    async def start(
+        route: str, req: GenerationRequest, request_id: str, prompts: list[list[Any]]
+    ) -> Generation:
+        """Start the request's sequences, errors turned into API errors."""
         if req.model not in (None, "", model_name):
-            raise APIError(404, f"model {req.model!r} not found", "not_found_error", "model")
-        params = _sampling_params(req)
-        messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stop = [req.stop] if isinstance(req.stop, str) else req.stop
-        tokenize = TokenizeRequest(
-            request_id, messages=messages, chat_template_kwargs=req.chat_template_kwargs, stop=stop
-        )
+            raise APIError(404, f"model {req.model!r} not found", "model")
         try:
             # The request's trace: every service's spans for it hang below this one.
-            with tracer.start_as_current_span(
-                "POST /v1/chat/completions", attributes={"specmesh.request_id": request_id}
-            ) as span:
-                placement, deltas = await cluster.submit(tokenize, params)
+            attributes = {"specmesh.request_id": request_id}
+            with tracer.start_as_current_span(f"POST {route}", attributes=attributes) as span:
+                generation = await cluster.generate(prompts)
+                placement = next(iter(generation.placements.values()))
                 span.set_attribute("specmesh.decode", placement.decode_id)
                 span.set_attribute("specmesh.drafter", placement.drafter_id or "")
         except RemoteError as exc:
-            type_ = _ERROR_TYPES.get(exc.status, "invalid_request_error")
-            raise APIError(exc.status, str(exc), type_) from exc
+            raise APIError(exc.status, str(exc)) from exc
+        except ProtocolError as exc:  # a value no message can carry
+            raise APIError(400, str(exc)) from exc
+        except Overloaded as exc:
+            raise APIError(429, str(exc)) from exc
         except (Unavailable, BusError) as exc:
-            raise APIError(503, str(exc), "service_unavailable_error") from exc
-        timed = _timed(deltas, arrival, stats)
-        common = {"id": request_id, "created": int(time.time()), "model": model_name}
+            raise APIError(503, str(exc)) from exc
+        return generation
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(req: ChatCompletionRequest, request: Request) -> Response:
+        plan = ChatPlan(req, tool_parser, reasoning)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens or req.max_tokens or 0
+        params = req.sampling_params(max_tokens, logprobs)
+        stop = req.stop_strings()
+        choices = [
+            (plan.tokenize_request(f"{request_id}-{i}", stop), _choice_params(params, i))
+            for i in range(req.n)
+        ]
+        generation = await start("/v1/chat/completions", req, request_id, [choices])
+        outputs = {t.request_id: plan.choice(i) for i, (t, _) in enumerate(choices)}
+        head = {"id": request_id, "created": int(time.time()), "model": model_name}
         headers = {"x-request-id": request_id}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunks = _stream_chunks(timed, common, placement, req.logprobs, include_usage)
-            return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
-        text, logprobs, last = "", [], None
-        completion_tokens = 0
-        async for delta in timed:
-            text += delta.text
-            completion_tokens += delta.num_tokens
-            logprobs += delta.logprobs or []
-            last = delta
-        assert last is not None
-        if last.finish_reason == "error":
-            raise APIError(500, last.error or "generation failed", "server_error")
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": {"content": logprobs} if req.logprobs else None,
-            "finish_reason": last.finish_reason,
-        }
-        body = {**common, "object": "chat.completion", "choices": [choice]}
-        body["usage"] = _usage(placement, completion_tokens)
-        if last.spec is not None:  # per-request speculation, in the shape vLLM reports it
-            spec = last.spec
-            body["metrics"] = {
-                "speculative_decoding": {
-                    "num_verify_steps": spec["steps"],
-                    "num_draft_tokens": spec["draft_tokens"],
-                    "num_accepted_tokens": spec["accepted_tokens"],
-                    "mean_acceptance_length": (
-                        1 + spec["accepted_tokens"] / spec["steps"] if spec["steps"] else 0.0
-                    ),
-                }
+            body = _chat_stream(generation, outputs, head, req.logprobs, include_usage)
+            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+
+        async def collect() -> dict[str, Any]:
+            messages: dict[str, list[dict[str, Any]]] = {rid: [] for rid in outputs}
+            logprob_entries: dict[str, list[dict[str, Any]]] = {rid: [] for rid in outputs}
+            async for delta in generation.deltas():
+                _raise_if_failed(delta.finish_reason, delta.error)
+                messages[delta.request_id].append(outputs[delta.request_id].feed(delta))
+                logprob_entries[delta.request_id] += delta.logprobs or []
+            return {
+                **head,
+                "object": "chat.completion",
+                "choices": [
+                    {
+                        "index": choice.index,
+                        "message": merge_message(messages[rid]),
+                        "logprobs": {"content": logprob_entries[rid]} if req.logprobs else None,
+                        "finish_reason": choice.finish_reason,
+                    }
+                    for rid, choice in outputs.items()
+                ],
+                "usage": _usage(generation, outputs.values()),
+                **_spec_metrics(outputs.values()),
             }
-        return JSONResponse(body, headers=headers)
+
+        return await _respond(request, generation, collect, headers)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        params = req.sampling_params(req.max_tokens or DEFAULT_COMPLETION_TOKENS, req.logprobs)
+        stop = req.stop_strings()
+        prompts = [
+            [
+                (
+                    tokenize_request(prompt, f"{request_id}-{p * req.n + i}", stop),
+                    _choice_params(params, i),
+                )
+                for i in range(req.n)
+            ]
+            for p, prompt in enumerate(req.prompts())
+        ]
+        generation = await start("/v1/completions", req, request_id, prompts)
+        outputs = {
+            t.request_id: CompletionChoice(
+                p * req.n + i, req, generation.placements[t.request_id].prompt_text
+            )
+            for p, choices in enumerate(prompts)
+            for i, (t, _) in enumerate(choices)
+        }
+        head = {"id": request_id, "created": int(time.time()), "model": model_name}
+        headers = {"x-request-id": request_id}
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            body = _completion_stream(generation, outputs, head, include_usage)
+            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+
+        async def collect() -> dict[str, Any]:
+            texts: dict[str, list[str]] = {rid: [] for rid in outputs}
+            logprobs: dict[str, list[Any]] = {rid: [] for rid in outputs}
+            async for delta in generation.deltas():
+                _raise_if_failed(delta.finish_reason, delta.error)
+                text, entry = outputs[delta.request_id].feed(delta)
+                texts[delta.request_id].append(text)
+                logprobs[delta.request_id].append(entry)
+            choices = sorted(
+                (
+                    {
+                        "index": choice.index,
+                        "text": "".join(texts[rid]),
+                        "logprobs": merge_logprobs(logprobs[rid]),
+                        "finish_reason": choice.finish_reason,
+                    }
+                    for rid, choice in outputs.items()
+                ),
+                key=lambda c: c["index"],
+            )
+            return {
+                **head,
+                "object": "text_completion",
+                "choices": choices,
+                "usage": _usage(generation, outputs.values()),
+                **_spec_metrics(outputs.values()),
+            }
+
+        return await _respond(request, generation, collect, headers)
 
     return app
 
 
-async def _timed(
-    deltas: AsyncIterator[TextDelta], arrival: float, stats: ServerStats
-) -> AsyncIterator[TextDelta]:
-    """The request's deltas, recording TTFT, inter-token latency and totals."""
-    last_time, tokens = None, 0
-    async for delta in deltas:
-        now = time.perf_counter()
-        if delta.num_tokens:
-            if last_time is None:
-                TTFT.observe(now - arrival)
-            else:
-                for _ in range(delta.num_tokens):  # tokens of one step arrive together
-                    ITL.observe((now - last_time) / delta.num_tokens)
-            last_time = now
-        tokens += delta.num_tokens
-        if delta.finish_reason is not None:
-            REQUESTS.labels("error" if delta.finish_reason == "error" else "ok").inc()
-            E2E.observe(now - arrival)
-            PROMPT_TOKENS.inc(delta.num_prompt_tokens)
-            GENERATION_TOKENS.inc(tokens)
-            stats.add(tokens, delta.spec)
-        yield delta
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Seeded choices differ from each other but repeat across identical requests."""
+    if params.seed is None or index == 0:
+        return params
+    seed = (params.seed + index + SEED_RANGE) % (2 * SEED_RANGE) - SEED_RANGE
+    return dataclasses.replace(params, seed=seed)
 
 
-def _usage(placement: Placement, completion_tokens: int) -> dict[str, Any]:
-    prompt_tokens = len(placement.prompt_ids)
+def _raise_if_failed(finish_reason: str | None, error: str | None) -> None:
+    if finish_reason == "error":
+        raise APIError(500, error or "generation failed")
+
+
+async def _respond(
+    request: Request,
+    generation: Generation,
+    collect: Callable[[], Coroutine[Any, Any, dict[str, Any]]],
+    headers: dict[str, str],
+) -> Response:
+    """The collected response, unless the client leaves first (then abort the work)."""
+    task = asyncio.create_task(collect())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return JSONResponse(task.result(), headers=headers)
+            if await request.is_disconnected():
+                return Response(status_code=499)  # nobody reads it
+    finally:
+        task.cancel()
+        generation.close()
+
+
+def _usage(generation: Generation, choices: Any) -> dict[str, Any]:
+    """Each prompt counts once, however many choices it has."""
+    prompts: dict[tuple[int, ...], Placement] = {}
+    for placement in generation.placements.values():
+        prompts.setdefault(tuple(placement.prompt_ids), placement)
+    prompt_tokens = sum(len(p.prompt_ids) for p in prompts.values())
+    cached = sum(len(p.prompt_ids) - p.num_computed_tokens for p in prompts.values())
+    completion_tokens = sum(c.completion_tokens for c in choices)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": prompt_tokens - placement.num_computed_tokens},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
-async def _stream_chunks(
-    deltas: AsyncIterator[TextDelta],
-    common: dict[str, Any],
-    placement: Placement,
+def _acceptance_length(steps: int, accepted: int) -> float:
+    """Tokens per verify step: the accepted drafts plus the target's own token."""
+    return 1 + accepted / steps if steps else 0.0
+
+
+def _spec_metrics(choices: Any) -> dict[str, Any]:
+    """Speculation over the request's choices, in the shape vLLM reports it."""
+    specs = [c.spec for c in choices if c.spec]
+    if not specs:
+        return {}
+    totals = {key: sum(s[key] for s in specs) for key in specs[0]}
+    return {
+        "metrics": {
+            "speculative_decoding": {
+                "num_verify_steps": totals["steps"],
+                "num_draft_tokens": totals["draft_tokens"],
+                "num_accepted_tokens": totals["accepted_tokens"],
+                "mean_acceptance_length": _acceptance_length(
+                    totals["steps"], totals["accepted_tokens"]
+                ),
+            }
+        }
+    }
+
+
+def _sse(body: dict[str, Any] | str) -> str:
+    return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
+
+
+async def _events(
+    generation: Generation,
+    chunks: Callable[[TextDelta], list[str]],
+    usage_chunk: Callable[[], dict[str, Any]] | None,
+) -> AsyncIterator[str]:
+    """SSE framing shared by chat and completions: chunks per delta, a failure as an
+    error event, the usage chunk when asked, one [DONE]; aborts if the client leaves."""
+    try:
+        async for delta in generation.deltas():
+            if delta.finish_reason == "error":
+                yield _sse(error_body(500, delta.error or "generation failed"))
+                break
+            for chunk in chunks(delta):
+                yield chunk
+        if usage_chunk is not None:
+            yield _sse(usage_chunk())
+        yield _sse("[DONE]")
+    finally:
+        generation.close()
+
+
+def _chat_stream(
+    generation: Generation,
+    outputs: dict[str, ChatChoice],
+    head: dict[str, Any],
     want_logprobs: bool,
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    def sse(choices: list[dict[str, Any]], **extra: Any) -> str:
-        body = {**common, "object": "chat.completion.chunk", "choices": choices, **extra}
-        return f"data: {json.dumps(body)}\n\n"
+    started: set[str] = set()
 
-    role_sent, completion_tokens = False, 0
-    async for delta in deltas:
-        completion_tokens += delta.num_tokens
-        if delta.finish_reason == "error":
-            error = {"message": delta.error, "type": "server_error", "param": None, "code": 500}
-            yield f"data: {json.dumps({'error': error})}\n\n"
-            break
-        if not delta.text and not want_logprobs and delta.finish_reason is None:
-            continue
-        content: dict[str, Any] = {"content": delta.text}
-        if not role_sent:
-            content, role_sent = {"role": "assistant", **content}, True
-        choice: dict[str, Any] = {
-            "index": 0,
-            "delta": content,
-            "finish_reason": delta.finish_reason,
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        return _sse({**head, "object": "chat.completion.chunk", "choices": choices, **extra})
+
+    def chunks(delta: TextDelta) -> list[str]:
+        choice = outputs[delta.request_id]
+        message = choice.feed(delta)
+        finished = choice.finish_reason is not None
+        if not message and not finished and not (want_logprobs and delta.logprobs):
+            return []
+        if delta.request_id not in started:  # the role rides on the first real chunk
+            started.add(delta.request_id)
+            message = {"role": "assistant", **message}
+        entry: dict[str, Any] = {
+            "index": choice.index,
+            "delta": message,
+            "finish_reason": choice.finish_reason if finished else None,
         }
         if want_logprobs:
-            choice["logprobs"] = {"content": delta.logprobs or []}
-        yield sse([choice])
-    if include_usage:
-        yield sse([], usage=_usage(placement, completion_tokens))
-    yield "data: [DONE]\n\n"
+            entry["logprobs"] = {"content": delta.logprobs or []}
+        return [chunk([entry])]
+
+    def usage() -> dict[str, Any]:
+        body = {**head, "object": "chat.completion.chunk", "choices": []}
+        return {**body, "usage": _usage(generation, outputs.values())}
+
+    return _events(generation, chunks, usage if include_usage else None)
+
+
+def _completion_stream(
+    generation: Generation,
+    outputs: dict[str, CompletionChoice],
+    head: dict[str, Any],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    def chunks(delta: TextDelta) -> list[str]:
+        choice = outputs[delta.request_id]
+        text, logprobs = choice.feed(delta)
+        finished = choice.finish_reason is not None
+        if not text and not finished and not logprobs:
+            return []
+        entry = {
+            "index": choice.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": choice.finish_reason if finished else None,
+        }
+        return [_sse({**head, "object": "text_completion", "choices": [entry]})]
+
+    def usage() -> dict[str, Any]:
+        body = {**head, "object": "text_completion", "choices": []}
+        return {**body, "usage": _usage(generation, outputs.values())}
+
+    return _events(generation, chunks, usage if include_usage else None)

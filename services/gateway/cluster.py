@@ -10,6 +10,7 @@ algorithm, and stays with them. Its text comes back on this gateway's subject.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -35,13 +36,26 @@ from shared.protocol import (
     gateway_subject,
 )
 from shared.sampling.params import SamplingParams
-from shared.telemetry import INSTANCES, ROUTED
+from shared.telemetry import (
+    E2E,
+    GENERATION_TOKENS,
+    INSTANCES,
+    ITL,
+    PROMPT_TOKENS,
+    REQUESTS,
+    ROUTED,
+    TTFT,
+)
 
 log = logging.getLogger(__name__)
 
 
 class Unavailable(RuntimeError):
     """No instance can take the request (HTTP 503)."""
+
+
+class Overloaded(RuntimeError):
+    """Too much in flight at this gateway (HTTP 429)."""
 
 
 @dataclass
@@ -60,23 +74,99 @@ class Instance:
 class Placement:
     request_id: str
     prompt_ids: list[int]
+    prompt_text: str
     decode_id: str
     drafter_id: str | None
     num_computed_tokens: int  # prompt tokens prefill computed (the rest were cached)
 
 
+class ServerStats:
+    """Totals over finished sequences, for /get_server_info."""
+
+    def __init__(self) -> None:
+        self.requests = self.generated_tokens = 0
+        self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+
+    def add(self, tokens: int, spec: dict[str, int] | None) -> None:
+        self.requests += 1
+        self.generated_tokens += tokens
+        if spec:
+            self.spec_steps += spec["steps"]
+            self.spec_draft_tokens += spec["draft_tokens"]
+            self.spec_accepted_tokens += spec["accepted_tokens"]
+
+
+class Generation:
+    """The sequences of one API request (n choices of each prompt), their output in
+    one queue. Records latency metrics; `close` aborts whatever has not finished."""
+
+    def __init__(self, cluster: Cluster, request_ids: list[str]) -> None:
+        self.cluster = cluster
+        self.request_ids = request_ids
+        self.placements: dict[str, Placement] = {}
+        self.queue: asyncio.Queue[TextDelta] = asyncio.Queue()
+        self.unfinished = set(request_ids)
+        self.arrival = time.perf_counter()
+        self.last_token_at: dict[str, float] = {}
+        self.tokens = dict.fromkeys(request_ids, 0)
+
+    async def deltas(self) -> AsyncIterator[TextDelta]:
+        """Every sequence's output, interleaved, until all have finished."""
+        while self.unfinished:
+            delta = await self.queue.get()
+            if delta.request_id not in self.unfinished:
+                continue  # e.g. a worker's failure after the sequence finished
+            self._record(delta)
+            if delta.finish_reason is not None:
+                self.unfinished.discard(delta.request_id)
+            yield delta
+
+    def close(self) -> None:
+        for request_id in self.request_ids:
+            self.cluster.forget(request_id)
+        for request_id in self.unfinished:  # the client left, or a sibling failed
+            self.cluster.abort(request_id)
+        self.unfinished.clear()
+
+    def _record(self, delta: TextDelta) -> None:
+        now, rid = time.perf_counter(), delta.request_id
+        if delta.num_tokens:
+            last = self.last_token_at.get(rid)
+            if last is None:
+                TTFT.observe(now - self.arrival)
+            else:
+                for _ in range(delta.num_tokens):  # the tokens of one step arrive together
+                    ITL.observe((now - last) / delta.num_tokens)
+            self.last_token_at[rid] = now
+            self.tokens[rid] += delta.num_tokens
+        if delta.finish_reason is not None:
+            REQUESTS.labels("error" if delta.finish_reason == "error" else "ok").inc()
+            E2E.observe(now - self.arrival)
+            PROMPT_TOKENS.inc(delta.num_prompt_tokens)
+            GENERATION_TOKENS.inc(self.tokens[rid])
+            self.cluster.stats.add(self.tokens[rid], delta.spec)
+
+
 class Cluster:
     def __init__(
-        self, bus: Bus, gateway_id: str, instance_timeout: float, request_timeout: float
+        self,
+        bus: Bus,
+        gateway_id: str,
+        instance_timeout: float,
+        request_timeout: float,
+        max_pending: int,
     ) -> None:
         self.bus = bus
         self.gateway_id = gateway_id
         self.instance_timeout = instance_timeout
         self.request_timeout = request_timeout
+        self.max_pending = max_pending
         self.instances: dict[str, dict[str, Instance]] = {}
-        self.outputs: dict[str, asyncio.Queue[TextDelta]] = {}
+        self.outputs: dict[str, asyncio.Queue[TextDelta]] = {}  # by request id
         self.decode_of: dict[str, str] = {}
+        self.stats = ServerStats()
         self._watchdog: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         await self.bus.serve(gateway_subject(self.gateway_id), self._on_delta)
@@ -134,64 +224,91 @@ class Cluster:
             ROUTED.labels(kind, chosen.heartbeat.instance_id).inc()
         return chosen
 
-    async def submit(
-        self, tokenize: TokenizeRequest, params: SamplingParams
-    ) -> tuple[Placement, AsyncIterator[TextDelta]]:
-        """Tokenize, prefill and admit a request; then its output streams. Raises
-        RemoteError (with the status the service chose), Unavailable or BusError."""
-        request_id = tokenize.request_id
-        queue: asyncio.Queue[TextDelta] = asyncio.Queue()
-        self.outputs[request_id] = queue
+    async def generate(
+        self, prompts: list[list[tuple[TokenizeRequest, SamplingParams]]]
+    ) -> Generation:
+        """Start every choice of every prompt (`prompts[i]`: the choices of prompt i; a
+        max_tokens of 0 means "to the end of the context"). A prompt's first choice goes
+        ahead so the others reuse its K/V. Raises Overloaded, Unavailable, RemoteError
+        (with the status the service chose) or BusError."""
+        request_ids = [t.request_id for choices in prompts for t, _ in choices]
+        if len(self.outputs) + len(request_ids) > self.max_pending:
+            raise Overloaded(f"more than {self.max_pending} sequences in flight; retry later")
+        generation = Generation(self, request_ids)
+        for request_id in request_ids:
+            self.outputs[request_id] = generation.queue
+
+        async def start(choices: list[tuple[TokenizeRequest, SamplingParams]]) -> None:
+            first, *rest = choices
+            generation.placements[first[0].request_id] = await self._start(*first)
+            async with asyncio.TaskGroup() as group:  # a failure cancels the siblings
+                tasks = [group.create_task(self._start(*choice)) for choice in rest]
+            generation.placements.update((t.result().request_id, t.result()) for t in tasks)
+
         try:
-            tokens = await self.bus.request(TOKENIZE, tokenize, TokenizeReply, 10)
-            decode = self._choose("decode")
-            if decode is None:
-                raise Unavailable("no decode worker is available")
-            algorithm = decode.heartbeat.algorithm
-            drafter = self._choose("drafter", algorithm) if algorithm else None
-            prefill = await self.bus.request(
-                PREFILL,
-                PrefillRequest(request_id, tokens.prompt_ids, params),
-                PrefillReply,
-                self.request_timeout,
-            )
-            decode_id = decode.heartbeat.instance_id
-            drafter_id = drafter.heartbeat.instance_id if drafter else None
-            self.decode_of[request_id] = decode_id
-            admit = AdmitRequest(
-                request_id,
-                tokens.prompt_ids,
-                params,
-                prefill,
-                drafter_id,
-                detok_subject(tokens.tokenizer_id),
-                gateway_subject(self.gateway_id),
-            )
-            await self.bus.request(decode_subject(decode_id), admit, Admitted, 10)
+            async with asyncio.TaskGroup() as group:
+                for choices in prompts:
+                    group.create_task(start(choices))
+        except BaseExceptionGroup as failed:
+            generation.close()
+            raise _first_error(failed) from None
         except BaseException:
-            self._forget(request_id)
-            await self.bus.publish(ABORT, Abort(request_id))
+            generation.close()
             raise
-        placement = Placement(
-            request_id, tokens.prompt_ids, decode_id, drafter_id, prefill.num_computed_tokens
+        return generation
+
+    async def _start(self, tokenize: TokenizeRequest, params: SamplingParams) -> Placement:
+        """Tokenize, prefill and admit one sequence; its output then flows to its queue."""
+        request_id = tokenize.request_id
+        tokens = await self.bus.request(TOKENIZE, tokenize, TokenizeReply, 10)
+        decode = self._choose("decode")
+        if decode is None:
+            raise Unavailable("no decode worker is available")
+        if params.max_tokens == 0:
+            room = decode.heartbeat.max_model_len - len(tokens.prompt_ids)
+            params = dataclasses.replace(params, max_tokens=max(room, 1))
+        algorithm = decode.heartbeat.algorithm
+        drafter = self._choose("drafter", algorithm) if algorithm else None
+        prefill = await self.bus.request(
+            PREFILL,
+            PrefillRequest(request_id, tokens.prompt_ids, params),
+            PrefillReply,
+            self.request_timeout,
         )
-        return placement, self._stream(request_id, queue)
+        decode_id = decode.heartbeat.instance_id
+        drafter_id = drafter.heartbeat.instance_id if drafter else None
+        self.decode_of[request_id] = decode_id
+        admit = AdmitRequest(
+            request_id,
+            tokens.prompt_ids,
+            params,
+            prefill,
+            drafter_id,
+            detok_subject(tokens.tokenizer_id),
+            gateway_subject(self.gateway_id),
+        )
+        await self.bus.request(decode_subject(decode_id), admit, Admitted, 10)
+        return Placement(
+            request_id,
+            tokens.prompt_ids,
+            tokens.prompt_text,
+            decode_id,
+            drafter_id,
+            prefill.num_computed_tokens,
+        )
 
-    async def _stream(
-        self, request_id: str, queue: asyncio.Queue[TextDelta]
-    ) -> AsyncIterator[TextDelta]:
-        """The request's text; leaving early (client gone) aborts it everywhere."""
-        finished = False
-        try:
-            while not finished:
-                delta = await queue.get()
-                finished = delta.finish_reason is not None
-                yield delta
-        finally:
-            self._forget(request_id)
-            if not finished or delta.finish_reason == "error":  # clean up everywhere
-                await self.bus.publish(ABORT, Abort(request_id))
+    def abort(self, request_id: str) -> None:
+        """Drop the request in every service. Not awaited: it must also work while the
+        caller is being cancelled (a client that went away)."""
+        task = asyncio.get_running_loop().create_task(self.bus.publish(ABORT, Abort(request_id)))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
-    def _forget(self, request_id: str) -> None:
+    def forget(self, request_id: str) -> None:
         self.outputs.pop(request_id, None)
         self.decode_of.pop(request_id, None)
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    error = group.exceptions[0]
+    return _first_error(error) if isinstance(error, BaseExceptionGroup) else error

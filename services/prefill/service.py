@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import EngineConfig, LLMEngine
@@ -18,7 +19,7 @@ from shared.engine.sequence import RemotePrefix, Sequence
 from shared.engine.speculation import SpecStats
 from shared.kvcache.exchange import KVExchange, model_fingerprint
 from shared.model.fetch import resolve_model
-from shared.protocol import PREFILL, Heartbeat, PrefillReply, PrefillRequest
+from shared.protocol import PREFILL, Heartbeat, PrefillReply, PrefillRequest, RemoteError
 from shared.service import EngineService, ServiceConfig
 from shared.telemetry import (
     ACTIVE_REQUESTS,
@@ -29,6 +30,8 @@ from shared.telemetry import (
 )
 from shared.transport import KVTransport, TransportConfig
 
+log = logging.getLogger(__name__)
+
 
 class PrefillEngine(LLMEngine):
     """Stops every request at its first token and hands its prompt's K/V to the
@@ -38,15 +41,18 @@ class PrefillEngine(LLMEngine):
         super().__init__(cfg)
         fingerprint = model_fingerprint(self.model, cfg.block_size)
         self.kv_exchange = KVExchange(self.kv_cache, transport, fingerprint, ttl_s, "prefill")
-        # request id -> (block keys, generator state), picked up by the service
-        self.handoff: dict[str, tuple[list[str], bytes | None]] = {}
+        # request id -> its prompt's block keys, picked up by the service
+        self.handoff: dict[str, list[str] | RemoteError] = {}
 
     def _finish(self, seq: Sequence) -> SpecStats | None:
         if seq.num_computed_tokens >= seq.num_prompt_tokens:
             keys = self.kv_exchange.keys(seq.prompt_ids)
-            self.kv_exchange.export(seq.block_table, keys)
-            state = seq.generator.get_state().numpy().tobytes() if seq.generator else None
-            self.handoff[seq.request_id] = (keys, state)
+            try:
+                self.kv_exchange.export(seq.block_table, keys)
+                self.handoff[seq.request_id] = keys
+            except Exception as exc:  # a transport failure fails this request, not the engine
+                log.exception("cannot store %s's K/V", seq.request_id)
+                self.handoff[seq.request_id] = RemoteError(f"KV transport failed: {exc}", 503)
         return super()._finish(seq)
 
 
@@ -85,13 +91,13 @@ class PrefillService(EngineService):
                 first = outputs[0]
         finally:
             ACTIVE_REQUESTS.labels(self.kind).dec()
-        keys, state = engine.handoff.pop(req.request_id)
+        keys = engine.handoff.pop(req.request_id)
+        if isinstance(keys, RemoteError):
+            raise keys
         computed = len(req.prompt_ids) - first.num_reused_tokens
         PREFILL_TOKENS.labels("computed").inc(computed)
         PREFILL_TOKENS.labels("cached").inc(first.num_reused_tokens)
-        return PrefillReply(
-            first.token_id, first.logprob, first.top_logprobs, keys, computed, state
-        )
+        return PrefillReply(first.token_id, first.logprob, first.top_logprobs, keys, computed)
 
     def heartbeat(self) -> Heartbeat:
         blocks = self.engine.block_manager

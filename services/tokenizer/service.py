@@ -13,6 +13,7 @@ from typing import Any
 
 from shared.config import model_option
 from shared.model.fetch import resolve_model
+from shared.parsers.tools import ToolParser, make_tool_parser
 from shared.protocol import (
     ABORT,
     TOKENIZE,
@@ -49,18 +50,43 @@ class TokenizerService(Service):
     async def tokenize(self, req: TokenizeRequest) -> TokenizeReply:
         if req.messages is not None:
             try:
-                ids = self.tokenizer.encode_chat(req.messages, **(req.chat_template_kwargs or {}))
+                text = self.chat_prompt(req)
             except Exception as exc:  # template errors come from the caller's messages
                 raise ValueError(f"cannot apply the chat template: {exc}") from exc
+            ids = self.tokenizer.encode(text)  # the template writes special tokens as text
         elif req.prompt is not None:
-            ids = self.tokenizer.encode(req.prompt, add_special_tokens=True)
+            text, ids = req.prompt, self.tokenizer.encode(req.prompt, add_special_tokens=True)
         elif req.prompt_ids is not None:
             ids = list(req.prompt_ids)
+            vocab = self.tokenizer.vocab_size
+            if not all(0 <= i < vocab for i in ids):
+                raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
         else:
             raise ValueError("nothing to tokenize: give messages, a prompt or prompt ids")
         self.streams[req.request_id] = TextStream(self.tokenizer, ids, req.stop)
         ACTIVE_REQUESTS.labels(self.kind).set(len(self.streams))
-        return TokenizeReply(ids, self.instance_id)
+        return TokenizeReply(ids, self.instance_id, text)
+
+    def chat_prompt(self, req: TokenizeRequest) -> str:
+        """The chat as prompt text. A template that does not take tools or tool calls
+        gets them written into the messages in the tool parser's format instead."""
+        messages, tools = req.messages or [], req.tools
+        template = self.tokenizer.template_source
+        parser = make_tool_parser(req.tool_parser) if req.tool_parser else None
+        if parser is not None and "tool_calls" not in template:
+            messages = [_calls_as_text(m, parser) for m in messages]
+        if parser is not None and tools and "tools" not in template:
+            listing = parser.render_tools(tools)
+            if messages and messages[0]["role"] == "system":
+                system = {**messages[0], "content": f"{messages[0]['content']}\n\n{listing}"}
+                messages = [system, *messages[1:]]
+            else:
+                messages = [{"role": "system", "content": listing}, *messages]
+            tools = None
+        kwargs = req.chat_template_kwargs or {}
+        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, **kwargs)
+        return prompt + req.assistant_prefix
 
     async def detokenize(self, batch: TokenBatch) -> None:
         stream = self.streams.get(batch.request_id)
@@ -106,3 +132,11 @@ class TokenizerService(Service):
             return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
         return {**item(token, logprob), "top_logprobs": [item(t, lp) for t, lp in top]}
+
+
+def _calls_as_text(message: dict[str, Any], parser: ToolParser) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    content = message.get("content") or ""
+    return {**message, "content": content + parser.render_calls(calls)}

@@ -117,7 +117,10 @@ class AsyncEngine:
             except Exception as exc:  # a failed step must not take the server down
                 log.exception("engine step failed; failing the requests in flight")
                 for request_id in list(self.engine.sequences):
-                    self.engine.abort(request_id)
+                    try:
+                        self.engine.abort(request_id)
+                    except Exception:  # keep failing the others; the loop must live on
+                        log.exception("aborting %s failed too", request_id)
                     self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
                 continue
             by_request: dict[str, list[TokenOutput]] = {}

@@ -8,8 +8,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from shared.config import model_option, option, resolve_device, resolve_dtype
 from shared.engine.model_runner import ModelRunner
 from shared.engine.scheduler import Scheduler
@@ -20,7 +18,6 @@ from shared.kvcache.exchange import KVExchange
 from shared.kvcache.kv_cache import KVCache
 from shared.model.loader import load_model
 from shared.sampling.params import SamplingParams
-from shared.sampling.sampler import make_generator
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.drafter import Drafter, make_drafter
 from shared.speculative.tree import DraftTree
@@ -66,7 +63,6 @@ class FirstToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
-    generator_state: bytes | None = None  # the seeded generator after drawing it
 
 
 @dataclass
@@ -157,18 +153,13 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         if remote_kv is not None and self.kv_exchange is None:
             raise ValueError("this engine has no KV transport to load a prefilled prompt from")
-        seq = Sequence(
-            request_id, list(prompt_ids), params, make_generator(params.seed, self.runner.device)
-        )
+        seq = Sequence(request_id, list(prompt_ids), params)
         seq.remote_kv, seq.lane = remote_kv, self._next_lane
         self._next_lane ^= self.overlap
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         outputs = []
         if first is not None:
-            if first.generator_state is not None and seq.generator is not None:
-                state = torch.frombuffer(bytearray(first.generator_state), dtype=torch.uint8)
-                seq.generator.set_state(state)
             outputs = self._emit(seq, [first.token_id], first.logprob, first.top_logprobs)
         if self.speculator and seq.status is not SequenceStatus.FINISHED:
             self.speculator.open(seq)

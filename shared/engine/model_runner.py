@@ -10,7 +10,7 @@ from shared.engine.sequence import Sequence
 from shared.kvcache.kv_cache import KVCache
 from shared.model.attention import SequenceSpan
 from shared.model.llama import LlamaForCausalLM
-from shared.sampling.sampler import SampleOutput, Sampler
+from shared.sampling.sampler import SampleOutput, Sampler, position_generator
 from shared.speculative.tree import DraftTree
 
 
@@ -97,6 +97,7 @@ class ModelRunner:
             [s.params for s in sampled],
             [s.prompt_ids for s in sampled],
             [s.output_ids for s in sampled],
-            [s.generator for s in sampled],
+            # A sequence samples once all its tokens are computed: the next is at len(s).
+            [position_generator(s.params.seed, len(s), self.device) for s in sampled],
         )
         return StepOutput(sampled, samples, tree_logits, features)

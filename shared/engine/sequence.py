@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from shared.sampling.params import SamplingParams
 
 
@@ -30,7 +28,6 @@ class Sequence:
     request_id: str
     token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None = None
     num_prompt_tokens: int = field(init=False)
     # Tokens whose K/V are in the cache. The step after reaching len(self)-1 samples.
     num_computed_tokens: int = 0

@@ -176,7 +176,8 @@ class Speculator:
             path, emitted = accept_sampling(
                 tree,
                 to_probs(logits, [params] * len(tree)),
-                seq.generator,
+                params.seed,
+                len(seq),  # the root's children propose the token at index len(seq)
                 self.cfg.speculative_accept_threshold_single,
                 self.cfg.speculative_accept_threshold_acc,
             )

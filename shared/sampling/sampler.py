@@ -22,11 +22,16 @@ class SampleOutput:
     top_logprobs: list[list[tuple[int, float]] | None]  # (token_id, logprob), best first
 
 
-def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
-    """A per-request generator, so a seeded request's draws ignore the rest of the batch."""
+def position_generator(
+    seed: int | None, position: int, device: torch.device | str
+) -> torch.Generator | None:
+    """A fresh generator for drawing a seeded request's token at `position` (its index in
+    prompt + output). Keyed by position rather than a running stream, a draw ignores the
+    rest of the batch and how many draws came before it (speculation varies that)."""
     if seed is None:
         return None
-    return torch.Generator(device=device).manual_seed(seed)
+    # A fixed mix (not Python's salted hash), so a seed means the same on every run and host.
+    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + position) % 2**63)
 
 
 def has_penalties(p: SamplingParams) -> bool:

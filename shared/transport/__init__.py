@@ -18,8 +18,10 @@ from __future__ import annotations
 import abc
 import threading
 from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
 
-from shared.config import option
+from shared.config import option, secret_option
 
 
 class KVTransport(abc.ABC):
@@ -63,8 +65,14 @@ class KVTransport(abc.ABC):
         """Release connections; stored blobs stay for other processes."""
 
 
-def make_transport(kind: str, namespace: str, redis_url: str | None = None) -> KVTransport:
-    """The backend named by config. `namespace` keeps deployments sharing a store apart."""
+def make_transport(
+    kind: str,
+    namespace: str,
+    redis_url: str | None = None,
+    redis_options: dict[str, Any] | None = None,
+) -> KVTransport:
+    """The backend named by config. `namespace` keeps deployments sharing a store apart;
+    `redis_options` (credentials, TLS files) go to the redis client."""
     # Imported here so that a shm deployment never loads the redis client (and to avoid an
     # import cycle: the backends import KVTransport from this module).
     if kind == "shm":
@@ -76,16 +84,42 @@ def make_transport(kind: str, namespace: str, redis_url: str | None = None) -> K
             raise ValueError("kv transport 'redis' needs a redis url (redis://host:port/db)")
         from shared.transport.redis import RedisTransport
 
-        return RedisTransport(redis_url, namespace)
+        return RedisTransport(redis_url, namespace, **(redis_options or {}))
     raise ValueError(f"kv transport must be 'shm' or 'redis', got {kind!r}")
+
+
+DEFAULT_KV_NAMESPACE = "specmesh"
 
 
 @dataclass
 class TransportConfig:
     kv_transport: str = option("shm", "KV transport: shm (one host) or redis (across hosts)")
-    redis_url: str | None = option(None, "redis://host:port of the KV store (--kv-transport redis)")
-    kv_namespace: str = option("specmesh", "namespace of this deployment's blocks in the store")
+    redis_url: str | None = option(
+        None, "redis://host:port of the KV store (--kv-transport redis; rediss:// for TLS)"
+    )
+    redis_username: str | None = option(None, "KV store user (ACL), with --redis-password")
+    redis_password: str | None = secret_option("KV store password")
+    redis_tls_ca: str | None = option(None, "CA file to verify the KV store by (rediss://)")
+    redis_tls_cert: str | None = option(None, "client certificate for KV store mutual TLS")
+    redis_tls_key: str | None = option(None, "client certificate's key for KV store mutual TLS")
+    kv_namespace: str = option(
+        DEFAULT_KV_NAMESPACE, "namespace of this deployment's blocks in the store"
+    )
     kv_ttl: float = option(60.0, "seconds a stored KV block lives after its last use")
 
+    def redis_options(self) -> dict[str, Any]:
+        """Credentials and TLS files as redis client arguments (only those that are set)."""
+        tls = {
+            "ssl_ca_certs": self.redis_tls_ca,
+            "ssl_certfile": self.redis_tls_cert,
+            "ssl_keyfile": self.redis_tls_key,
+        }
+        tls = {k: v for k, v in tls.items() if v}
+        if tls and urlsplit(self.redis_url or "").scheme != "rediss":
+            raise ValueError("--redis-tls-* options need a rediss:// --redis-url")
+        auth = {"username": self.redis_username, "password": self.redis_password}
+        return {**{k: v for k, v in auth.items() if v}, **tls}
+
     def open(self) -> KVTransport:
-        return make_transport(self.kv_transport, self.kv_namespace, self.redis_url)
+        redis_options = self.redis_options() if self.kv_transport == "redis" else None
+        return make_transport(self.kv_transport, self.kv_namespace, self.redis_url, redis_options)

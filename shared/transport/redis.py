@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -41,12 +42,16 @@ class RedisTransport(KVTransport):
     instance serves the engine thread and the asyncio thread at once.
     """
 
-    def __init__(self, url: str, namespace: str) -> None:
+    def __init__(self, url: str, namespace: str, **options: Any) -> None:
+        """`options` go to the client: username, password, ssl_ca_certs, ssl_certfile..."""
         super().__init__()
         self.url = url
         self.namespace = namespace
         self._client = redis.Redis.from_url(
-            url, socket_connect_timeout=_CONNECT_TIMEOUT_S, socket_timeout=_SOCKET_TIMEOUT_S
+            url,
+            socket_connect_timeout=_CONNECT_TIMEOUT_S,
+            socket_timeout=_SOCKET_TIMEOUT_S,
+            **options,
         )
         # Reach the server now: a wrong url should fail at startup, not on the first request.
         with self._errors():

@@ -61,6 +61,7 @@ class ShmTransport(KVTransport):
     def put_many(self, items: dict[str, bytes], ttl_s: float) -> None:
         expiry = time.time() + ttl_s
         written = 0
+        os.makedirs(self.dir, exist_ok=True)  # in case someone cleared /dev/shm meanwhile
         for key, value in items.items():
             path = self._path(key)
             fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{key}.")

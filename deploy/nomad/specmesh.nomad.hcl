@@ -1,0 +1,486 @@
+# specmesh's five services on Nomad, one group each, each with its own count.
+# Start the infrastructure first (specmesh-infra.nomad.hcl), then pass its addresses in:
+#
+#   nomad job run -var nats_url=nats://10.0.0.10:4222 -var redis_url=redis://10.0.0.10:6379/0 \
+#     -var otlp_endpoint=http://10.0.0.10:4318 deploy/nomad/specmesh.nomad.hcl
+#   nomad job scale specmesh drafter 4
+#
+# Secrets come from Nomad Variables, rendered into each task's secrets/ directory and read
+# through SPECMESH_*_PASSWORD_FILE (so they never appear in the job or the environment):
+#   nomad var put nomad/jobs nats_password=... redis_password=...
+# Clients need the Docker driver, a host volume "specmesh-models" for the model cache, and
+# for the decode and drafter pools the NVIDIA device plugin (device "nvidia/gpu").
+
+variable "datacenters" {
+  type    = list(string)
+  default = ["*"]
+}
+
+variable "image" {
+  type        = string
+  default     = "specmesh:cpu"
+  description = "deploy/Dockerfile built for CPU: gateway, tokenizer, prefill"
+}
+
+variable "gpu_image" {
+  type        = string
+  default     = "specmesh:cuda"
+  description = "deploy/Dockerfile built with CUDA torch: decode and drafter"
+}
+
+variable "nats_url" {
+  type        = string
+  description = "NATS URL, e.g. nats://10.0.0.10:4222 (tls://... for TLS)"
+}
+
+variable "redis_url" {
+  type        = string
+  description = "valkey/redis URL of the KV transport, e.g. redis://10.0.0.10:6379/0"
+}
+
+variable "otlp_endpoint" {
+  type        = string
+  default     = ""
+  description = "OTLP/HTTP endpoint of the collector; empty: no traces exported"
+}
+
+variable "speculative_algorithm" {
+  type    = string
+  default = "NGRAM"
+}
+
+variable "gateway_count" {
+  type    = number
+  default = 1
+}
+
+variable "tokenizer_count" {
+  type    = number
+  default = 1
+}
+
+variable "prefill_count" {
+  type    = number
+  default = 1
+}
+
+variable "decode_count" {
+  type    = number
+  default = 2
+}
+
+variable "drafter_count" {
+  type    = number
+  default = 2
+}
+
+job "specmesh" {
+  datacenters = var.datacenters
+  type        = "service"
+
+  update {
+    max_parallel     = 1
+    health_check     = "checks"
+    min_healthy_time = "10s"
+    healthy_deadline = "10m" # the first start fetches the model
+  }
+
+  group "gateway" {
+    count = var.gateway_count
+
+    network {
+      port "http" {
+        static = 8000
+        to     = 8000
+      }
+    }
+
+    service {
+      name     = "specmesh-gateway"
+      provider = "nomad"
+      port     = "http"
+      tags     = ["specmesh", "metrics"]
+
+      check {
+        type     = "http"
+        path     = "/health" # 503 until a decode worker heartbeats
+        interval = "10s"
+        timeout  = "3s"
+      }
+    }
+
+    restart {
+      attempts = 10
+      interval = "10m"
+      delay    = "15s"
+      mode     = "delay"
+    }
+
+    task "gateway" {
+      driver       = "docker"
+      kill_timeout = "30s"
+
+      config {
+        image   = var.image
+        command = "python"
+        args    = ["-m", "services.gateway"]
+        ports   = ["http"]
+      }
+
+      env {
+        SPECMESH_INSTANCE_ID        = "gateway-${NOMAD_SHORT_ALLOC_ID}"
+        SPECMESH_NATS_URL           = var.nats_url
+        SPECMESH_NATS_USER          = "specmesh"
+        SPECMESH_NATS_PASSWORD_FILE = "${NOMAD_SECRETS_DIR}/nats_password"
+        SPECMESH_HOST               = "0.0.0.0"
+        SPECMESH_PORT               = "8000"
+        OTEL_EXPORTER_OTLP_ENDPOINT = var.otlp_endpoint
+        OMP_WAIT_POLICY             = "PASSIVE"
+      }
+
+      template {
+        destination = "secrets/nats_password"
+        change_mode = "restart"
+        data        = "{{ with nomadVar \"nomad/jobs\" }}{{ .nats_password }}{{ end }}"
+      }
+
+      resources {
+        cpu    = 1000
+        memory = 1024
+      }
+    }
+  }
+
+  group "tokenizer" {
+    count = var.tokenizer_count
+
+    network {
+      port "metrics" {
+        to = 9100
+      }
+    }
+
+    service {
+      name     = "specmesh-tokenizer"
+      provider = "nomad"
+      port     = "metrics"
+      tags     = ["specmesh", "metrics"]
+
+      check {
+        type     = "http"
+        path     = "/health"
+        interval = "10s"
+        timeout  = "3s"
+      }
+    }
+
+    restart {
+      attempts = 10
+      interval = "10m"
+      delay    = "15s"
+      mode     = "delay"
+    }
+
+    volume "models" {
+      type      = "host"
+      source    = "specmesh-models"
+      read_only = false
+    }
+
+    task "tokenizer" {
+      driver       = "docker"
+      kill_timeout = "30s"
+
+      config {
+        image   = var.image
+        command = "python"
+        args    = ["-m", "services.tokenizer"]
+        ports   = ["metrics"]
+      }
+
+      volume_mount {
+        volume      = "models"
+        destination = "/models"
+      }
+
+      env {
+        SPECMESH_INSTANCE_ID        = "tokenizer-${NOMAD_SHORT_ALLOC_ID}"
+        SPECMESH_NATS_URL           = var.nats_url
+        SPECMESH_NATS_USER          = "specmesh"
+        SPECMESH_NATS_PASSWORD_FILE = "${NOMAD_SECRETS_DIR}/nats_password"
+        SPECMESH_METRICS_HOST       = "0.0.0.0"
+        SPECMESH_METRICS_PORT       = "9100"
+        OTEL_EXPORTER_OTLP_ENDPOINT = var.otlp_endpoint
+        OMP_WAIT_POLICY             = "PASSIVE"
+      }
+
+      template {
+        destination = "secrets/nats_password"
+        change_mode = "restart"
+        data        = "{{ with nomadVar \"nomad/jobs\" }}{{ .nats_password }}{{ end }}"
+      }
+
+      resources {
+        cpu    = 1000
+        memory = 2048
+      }
+    }
+  }
+
+  group "prefill" {
+    count = var.prefill_count
+
+    network {
+      port "metrics" {
+        to = 9100
+      }
+    }
+
+    service {
+      name     = "specmesh-prefill"
+      provider = "nomad"
+      port     = "metrics"
+      tags     = ["specmesh", "metrics"]
+
+      check {
+        type     = "http"
+        path     = "/health"
+        interval = "10s"
+        timeout  = "3s"
+      }
+    }
+
+    restart {
+      attempts = 10
+      interval = "10m"
+      delay    = "15s"
+      mode     = "delay"
+    }
+
+    volume "models" {
+      type      = "host"
+      source    = "specmesh-models"
+      read_only = false
+    }
+
+    task "prefill" {
+      driver       = "docker"
+      kill_timeout = "30s"
+
+      config {
+        image   = var.image
+        command = "python"
+        args    = ["-m", "services.prefill"]
+        ports   = ["metrics"]
+      }
+
+      volume_mount {
+        volume      = "models"
+        destination = "/models"
+      }
+
+      env {
+        SPECMESH_INSTANCE_ID         = "prefill-${NOMAD_SHORT_ALLOC_ID}"
+        SPECMESH_NATS_URL            = var.nats_url
+        SPECMESH_NATS_USER           = "specmesh"
+        SPECMESH_NATS_PASSWORD_FILE  = "${NOMAD_SECRETS_DIR}/nats_password"
+        SPECMESH_KV_TRANSPORT        = "redis"
+        SPECMESH_REDIS_URL           = var.redis_url
+        SPECMESH_REDIS_PASSWORD_FILE = "${NOMAD_SECRETS_DIR}/redis_password"
+        SPECMESH_METRICS_HOST        = "0.0.0.0"
+        SPECMESH_METRICS_PORT        = "9100"
+        OTEL_EXPORTER_OTLP_ENDPOINT  = var.otlp_endpoint
+        OMP_WAIT_POLICY              = "PASSIVE"
+      }
+
+      template {
+        destination = "secrets/nats_password"
+        change_mode = "restart"
+        data        = "{{ with nomadVar \"nomad/jobs\" }}{{ .nats_password }}{{ end }}"
+      }
+
+      template {
+        destination = "secrets/redis_password"
+        change_mode = "restart"
+        data        = "{{ with nomadVar \"nomad/jobs\" }}{{ .redis_password }}{{ end }}"
+      }
+
+      resources {
+        cpu    = 4000
+        memory = 8192
+      }
+    }
+  }
+
+  group "decode" {
+    count = var.decode_count
+
+    network {
+      port "metrics" {
+        to = 9100
+      }
+    }
+
+    service {
+      name     = "specmesh-decode"
+      provider = "nomad"
+      port     = "metrics"
+      tags     = ["specmesh", "metrics"]
+
+      check {
+        type     = "http"
+        path     = "/health"
+        interval = "10s"
+        timeout  = "3s"
+      }
+    }
+
+    restart {
+      attempts = 10
+      interval = "10m"
+      delay    = "15s"
+      mode     = "delay"
+    }
+
+    volume "models" {
+      type      = "host"
+      source    = "specmesh-models"
+      read_only = false
+    }
+
+    task "decode" {
+      driver       = "docker"
+      kill_timeout = "30s" # SIGTERM: goodbye heartbeat, then the requests in flight end
+
+      config {
+        image   = var.gpu_image
+        command = "python"
+        args    = ["-m", "services.decode"]
+        ports   = ["metrics"]
+      }
+
+      volume_mount {
+        volume      = "models"
+        destination = "/models"
+      }
+
+      env {
+        SPECMESH_INSTANCE_ID           = "decode-${NOMAD_SHORT_ALLOC_ID}"
+        SPECMESH_NATS_URL              = var.nats_url
+        SPECMESH_NATS_USER             = "specmesh"
+        SPECMESH_NATS_PASSWORD_FILE    = "${NOMAD_SECRETS_DIR}/nats_password"
+        SPECMESH_KV_TRANSPORT          = "redis"
+        SPECMESH_REDIS_URL             = var.redis_url
+        SPECMESH_REDIS_PASSWORD_FILE   = "${NOMAD_SECRETS_DIR}/redis_password"
+        SPECMESH_SPECULATIVE_ALGORITHM = var.speculative_algorithm
+        SPECMESH_DEVICE                = "cuda"
+        SPECMESH_METRICS_HOST          = "0.0.0.0"
+        SPECMESH_METRICS_PORT          = "9100"
+        OTEL_EXPORTER_OTLP_ENDPOINT    = var.otlp_endpoint
+      }
+
+      template {
+        destination = "secrets/nats_password"
+        change_mode = "restart"
+        data        = "{{ with nomadVar \"nomad/jobs\" }}{{ .nats_password }}{{ end }}"
+      }
+
+      template {
+        destination = "secrets/redis_password"
+        change_mode = "restart"
+        data        = "{{ with nomadVar \"nomad/jobs\" }}{{ .redis_password }}{{ end }}"
+      }
+
+      resources {
+        cpu    = 4000
+        memory = 16384
+
+        device "nvidia/gpu" {
+          count = 1
+        }
+      }
+    }
+  }
+
+  group "drafter" {
+    count = var.drafter_count
+
+    network {
+      port "metrics" {
+        to = 9100
+      }
+    }
+
+    service {
+      name     = "specmesh-drafter"
+      provider = "nomad"
+      port     = "metrics"
+      tags     = ["specmesh", "metrics"]
+
+      check {
+        type     = "http"
+        path     = "/health"
+        interval = "10s"
+        timeout  = "3s"
+      }
+    }
+
+    restart {
+      attempts = 10
+      interval = "10m"
+      delay    = "15s"
+      mode     = "delay"
+    }
+
+    volume "models" {
+      type      = "host"
+      source    = "specmesh-models"
+      read_only = false
+    }
+
+    task "drafter" {
+      driver       = "docker"
+      kill_timeout = "30s"
+
+      config {
+        image   = var.gpu_image
+        command = "python"
+        args    = ["-m", "services.drafter"]
+        ports   = ["metrics"]
+      }
+
+      volume_mount {
+        volume      = "models"
+        destination = "/models"
+      }
+
+      env {
+        SPECMESH_INSTANCE_ID           = "drafter-${NOMAD_SHORT_ALLOC_ID}"
+        SPECMESH_NATS_URL              = var.nats_url
+        SPECMESH_NATS_USER             = "specmesh"
+        SPECMESH_NATS_PASSWORD_FILE    = "${NOMAD_SECRETS_DIR}/nats_password"
+        SPECMESH_SPECULATIVE_ALGORITHM = var.speculative_algorithm
+        SPECMESH_DEVICE                = "cuda"
+        SPECMESH_METRICS_HOST          = "0.0.0.0"
+        SPECMESH_METRICS_PORT          = "9100"
+        OTEL_EXPORTER_OTLP_ENDPOINT    = var.otlp_endpoint
+        OMP_WAIT_POLICY                = "PASSIVE"
+      }
+
+      template {
+        destination = "secrets/nats_password"
+        change_mode = "restart"
+        data        = "{{ with nomadVar \"nomad/jobs\" }}{{ .nats_password }}{{ end }}"
+      }
+
+      resources {
+        cpu    = 2000
+        memory = 8192
+
+        device "nvidia/gpu" {
+          count = 1
+        }
+      }
+    }
+  }
+}

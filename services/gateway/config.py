@@ -1,0 +1,35 @@
+"""The gateway's options (CLI flags and SPECMESH_* environment variables)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.config import DEFAULT_MODEL_NAME, model_option, option, secret_option
+
+
+@dataclass
+class GatewayConfig:
+    host: str = option("127.0.0.1", "HTTP address to listen on")
+    port: int = option(8000, "HTTP port")
+    model: str | None = model_option()  # the gateway only needs its name
+    served_model_name: str | None = option(None, "model id in the API (default: from --model)")
+    api_key: str | None = secret_option("require `Authorization: Bearer <key>` on /v1")
+    tool_call_parser: str | None = option(
+        None, "tool call format: hermes (qwen25), llama3_json or mistral"
+    )
+    reasoning_parser: str | None = option(
+        None, "split reasoning into reasoning_content: deepseek_r1, qwen3 or mistral"
+    )
+    max_pending_requests: int = option(
+        256, "sequences in flight at this gateway before new requests get 429"
+    )
+    max_request_bytes: int = option(4 << 20, "larger request bodies get 413")
+    instance_timeout: float = option(3.0, "seconds without a heartbeat before an instance is gone")
+    request_timeout: float = option(120.0, "seconds a prefill may take, queueing included")
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return Path((self.model or DEFAULT_MODEL_NAME).removesuffix(".gguf")).name

@@ -1,0 +1,208 @@
+"""OpenAI API request bodies: the fields we honour, with their ranges (which also
+make the OpenAPI schema). Unknown extra fields are tolerated, as OpenAI does."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from shared.sampling.params import MAX_LOGPROBS, SamplingParams
+
+MAX_CHOICES = 64  # n; each choice is a sequence in flight
+MAX_STOP_STRINGS = 16
+INT64 = Field(ge=-(2**63), le=2**63 - 1)
+
+Probability = Annotated[float, Field(ge=0, le=1)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+TokenCount = Annotated[int, Field(ge=1)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class FunctionCall(Body):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        for part in content if isinstance(content, list) else []:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported by this model")
+        return content
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates expect it: content as one string."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part["text"] for part in content)
+        return {**self.model_dump(exclude_none=True), "content": content or ""}
+
+
+class FunctionDefinition(Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JSONSchemaFormat(Body):
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format json_schema needs a json_schema object")
+        return self
+
+
+class GenerationRequest(Body):
+    """Fields chat and completions share."""
+
+    model: str | None = None
+    max_tokens: TokenCount | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Probability | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: Annotated[int, INT64] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> GenerationRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's parameters; unset fields take the OpenAI defaults."""
+        defaults = SamplingParams()
+
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        return SamplingParams(
+            temperature=pick(self.temperature, defaults.temperature),
+            top_p=pick(self.top_p, defaults.top_p),
+            top_k=pick(self.top_k, defaults.top_k),
+            min_p=pick(self.min_p, defaults.min_p),
+            seed=self.seed,
+            repetition_penalty=pick(self.repetition_penalty, defaults.repetition_penalty),
+            frequency_penalty=pick(self.frequency_penalty, defaults.frequency_penalty),
+            presence_penalty=pick(self.presence_penalty, defaults.presence_penalty),
+            logprobs=logprobs,
+            max_tokens=max_tokens,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: TokenCount | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice):
+            names = {tool.function.name for tool in self.tools or []}
+            if choice.function.name not in names:
+                raise ValueError(f"tool_choice names {choice.function.name!r}, not in tools")
+        return self
+
+
+PromptIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+        | PromptIds
+        | Annotated[list[PromptIds], Field(min_length=1)]
+    )
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=1)] | None = None  # no beam-style best_of
+    suffix: Annotated[str, Field(max_length=0)] | None = None  # no insertion
+
+    @model_validator(mode="after")
+    def _no_prompt_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs (prompt logprobs) is not supported")
+        return self
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """Each prompt of the batch."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and isinstance(prompt[0], int):
+            return [prompt]  # type: ignore[list-item]
+        return prompt  # type: ignore[return-value]

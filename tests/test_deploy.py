@@ -1,0 +1,497 @@
+"""The deployment files and what they rely on.
+
+docker-compose.yml, deploy/compose.gpu.yml, the Nomad jobs, Prometheus, Grafana and collector
+configs are parsed (no Docker or Nomad here) and checked against the code: every service
+has a health check, restart policy, environment, scaling and resource settings; each
+command runs a module that exists; every SPECMESH_* variable is an option some service
+reads. Then NATS runs with deploy/nats.conf and valkey with a password, `specmesh up`
+runs against both, and every metric the Grafana dashboard queries is found on the
+services' /metrics after one speculative request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import time
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import hcl2
+import httpx
+import pytest
+import redis
+import yaml
+from deployment import chat, scrape, specmesh_up
+
+from services.decode.service import DecodeConfig
+from services.drafter.service import DrafterConfig
+from services.gateway.config import GatewayConfig
+from services.tokenizer.service import TokenizerConfig
+from shared.bus import Bus, NatsAuth
+from shared.engine.engine import EngineConfig
+from shared.infra import ServerProcess, free_port, start_valkey
+from shared.service import ServiceConfig, service_main
+from shared.speculative.config import SpeculativeConfig
+from shared.transport import TransportConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+SERVICES = ("gateway", "tokenizer", "prefill", "decode", "drafter")
+GPU_POOLS = ("decode", "drafter")
+INFRA = ("nats", "valkey", "otel-collector", "jaeger", "prometheus", "grafana")
+CONFIGS = [
+    ServiceConfig,
+    GatewayConfig,
+    TokenizerConfig,
+    EngineConfig,
+    SpeculativeConfig,
+    TransportConfig,
+    DecodeConfig,
+    DrafterConfig,
+]
+# Read outside the option dataclasses: the log level (service_main), the model cache.
+OTHER_VARIABLES = {"SPECMESH_LOG_LEVEL", "SPECMESH_CACHE"}
+HCL = hcl2.SerializationOptions(
+    with_comments=False, explicit_blocks=False, strip_string_quotes=True, preserve_heredocs=False
+)
+
+
+def _option_variables() -> set[str]:
+    """Every SPECMESH_* variable some service reads (secrets also as *_FILE)."""
+    names = set(OTHER_VARIABLES)
+    for cls in CONFIGS:
+        for f in dataclasses.fields(cls):
+            names.add(f"SPECMESH_{f.name.upper()}")
+            if f.metadata.get("secret"):
+                names.add(f"SPECMESH_{f.name.upper()}_FILE")
+    return names
+
+
+def _runs_module(argv: list[str]) -> str:
+    """The module of a `python -m <module>` command, which must exist."""
+    assert argv[:2] == ["python", "-m"], argv
+    module = argv[2]
+    assert importlib.util.find_spec(f"{module}.__main__") is not None, f"no module {module}"
+    return module
+
+
+def _script_exists(name: str) -> None:
+    """A console script of this package, whose target function exists."""
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, function = scripts[name].partition(":")
+    assert hasattr(importlib.import_module(module), function), scripts[name]
+
+
+def _compose(path: Path = ROOT / "docker-compose.yml") -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())
+
+
+def _hcl(name: str) -> dict[str, Any]:
+    with open(DEPLOY / "nomad" / name) as f:
+        return hcl2.load(f, serialization_options=HCL)
+
+
+def _blocks(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """Labelled HCL blocks (`group "x" {...}`) as one dict by label."""
+    return {label: body for item in items for label, body in item.items()}
+
+
+def _dashboard_metrics() -> set[str]:
+    """Sample names in the dashboard's PromQL (histograms as _bucket/_sum/_count)."""
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "specmesh.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    return {m for e in exprs for m in re.findall(r"\bspecmesh_[a-z0-9_]+", e)}
+
+
+# docker-compose.yml
+
+
+def test_compose_runs_each_service_from_the_one_image() -> None:
+    services = _compose()["services"]
+    assert set(SERVICES) | set(INFRA) <= set(services)
+    image = services["gateway"]["image"]
+    for name in [*SERVICES, "model-init"]:
+        service = services[name]
+        assert service["image"] == image
+        assert (ROOT / service["build"]["context"] / service["build"]["dockerfile"]).is_file()
+    for name in SERVICES:
+        assert _runs_module(services[name]["command"]) == f"services.{name}"
+    assert services["model-init"]["command"][0] == "specmesh"
+    _script_exists("specmesh")
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert "ENV SPECMESH_CACHE=/models" in dockerfile
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in dockerfile  # CPU default
+
+
+def test_compose_services_have_health_restart_scaling_and_limits() -> None:
+    compose = _compose()
+    services = compose["services"]
+    for name, service in services.items():
+        limits = service["deploy"]["resources"]["limits"]
+        assert limits["cpus"] and limits["memory"], name
+        assert service["restart"] in ("unless-stopped", "always", "on-failure"), name
+        check = service["healthcheck"]
+        if check.get("disable"):  # a one-shot job: the services wait for it to finish instead
+            assert service["restart"] == "on-failure"
+            waits = services["decode"]["depends_on"][name]["condition"]
+            assert waits == "service_completed_successfully"
+        else:
+            assert check["test"][0] in ("CMD", "CMD-SHELL") and check["interval"], name
+    for name in SERVICES:
+        service = services[name]
+        env = service["environment"]
+        assert "container_name" not in service  # it would make `--scale` impossible
+        assert service["deploy"]["replicas"], name
+        assert "models:/models" in service["volumes"]
+        assert "models" in compose["volumes"]
+        # The health check asks /health where the service serves it.
+        port = env["SPECMESH_PORT"] if name == "gateway" else env["SPECMESH_METRICS_PORT"]
+        assert f"127.0.0.1:{port}/health" in " ".join(service["healthcheck"]["test"])
+        for dependency in ("nats", "valkey"):
+            assert service["depends_on"][dependency]["condition"] == "service_healthy"
+    gateway_ports = services["gateway"]["ports"][0]
+    assert re.search(r"\d+-\d+}?:8000$", gateway_ports), "a port range, so gateways scale"
+
+
+def test_compose_environment_is_wired() -> None:
+    services = _compose()["services"]
+    known = _option_variables()
+    for name in SERVICES:
+        env = services[name]["environment"]
+        unknown = {k for k in env if k.startswith("SPECMESH_")} - known
+        assert not unknown, f"{name} sets variables no service reads: {unknown}"
+        assert env["SPECMESH_NATS_URL"] == "nats://nats:4222"
+        assert env["SPECMESH_KV_TRANSPORT"] == "redis"
+        assert env["SPECMESH_REDIS_URL"].startswith("redis://valkey:6379")
+        assert env["SPECMESH_METRICS_HOST"] == "0.0.0.0"  # reachable by Prometheus
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4318"
+        # The servers' passwords and the clients' come from the same variables.
+        nats_password = services["nats"]["environment"]["NATS_PASSWORD"]
+        assert env["SPECMESH_NATS_PASSWORD"] == nats_password
+        redis_password = services["valkey"]["environment"]["VALKEY_PASSWORD"]
+        assert env["SPECMESH_REDIS_PASSWORD"] == redis_password
+        assert ("OMP_WAIT_POLICY" in env) == (name != "decode")  # decode keeps spinning
+    assert "4318:4318" in services["otel-collector"]["ports"]
+    nats = services["nats"]
+    assert "./deploy/nats.conf:/etc/nats/nats.conf:ro" in nats["volumes"]
+    assert nats["command"][-1] == "/etc/nats/nats.conf"
+
+
+def test_compose_gpu_override_gives_each_pool_its_own_gpus() -> None:
+    override = _compose(DEPLOY / "compose.gpu.yml")["services"]
+    assert set(override) == set(GPU_POOLS)
+    reservations = []
+    for name in GPU_POOLS:
+        service = override[name]
+        assert service["environment"]["SPECMESH_DEVICE"] == "cuda"
+        assert "cu1" in service["build"]["args"]["TORCH_INDEX_URL"]  # a CUDA torch build
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        reservations.append(device["device_ids"])
+    assert reservations[0] != reservations[1]
+
+
+def test_prometheus_scrapes_every_service_where_it_serves() -> None:
+    env = _compose()["services"]["decode"]["environment"]
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == set(SERVICES)
+    for name, job in jobs.items():
+        (sd,) = job["dns_sd_configs"]
+        assert sd["names"] == [name]  # compose's DNS answers with every replica
+        assert sd["port"] == (8000 if name == "gateway" else int(env["SPECMESH_METRICS_PORT"]))
+
+
+def test_grafana_provisions_the_dashboard_and_its_datasources() -> None:
+    grafana = _compose()["services"]["grafana"]
+    provisioning = DEPLOY / "grafana" / "provisioning"
+    datasources = yaml.safe_load((provisioning / "datasources" / "specmesh.yaml").read_text())
+    by_type = {d["type"]: d for d in datasources["datasources"]}
+    assert by_type["prometheus"]["url"] == "http://prometheus:9090"
+    assert by_type["jaeger"]["url"] == "http://jaeger:16686"
+    providers = yaml.safe_load((provisioning / "dashboards" / "specmesh.yaml").read_text())
+    path = providers["providers"][0]["options"]["path"]
+    assert f"./deploy/grafana/dashboards:{path}:ro" in grafana["volumes"]
+    assert "./deploy/grafana/provisioning:/etc/grafana/provisioning:ro" in grafana["volumes"]
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "specmesh.json").read_text())
+    targets = [t for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert targets and {t["datasource"]["uid"] for t in targets} == {by_type["prometheus"]["uid"]}
+
+
+def test_dashboard_covers_what_operators_watch() -> None:
+    metrics = _dashboard_metrics()
+    wanted = {
+        "specmesh_requests_total",  # request rate
+        "specmesh_time_to_first_token_seconds_bucket",  # TTFT percentiles
+        "specmesh_inter_token_latency_seconds_bucket",  # ITL percentiles
+        "specmesh_spec_accepted_tokens_total",  # acceptance length per algorithm
+        "specmesh_spec_verify_steps_total",
+        "specmesh_draft_seconds_sum",  # draft vs verify time
+        "specmesh_verify_seconds_sum",
+        "specmesh_kv_blocks_used",  # KV blocks in use
+        "specmesh_queue_length",  # queue lengths
+        "specmesh_active_requests",  # per-instance load
+        "specmesh_routed_requests_total",
+    }
+    assert wanted <= metrics, wanted - metrics
+
+
+def test_collector_sends_traces_to_jaeger() -> None:
+    services = _compose()["services"]
+    config = yaml.safe_load((DEPLOY / "otel-collector.yaml").read_text())
+    assert config["receivers"]["otlp"]["protocols"]["http"]["endpoint"].endswith(":4318")
+    host, port = config["exporters"]["otlp"]["endpoint"].split(":")
+    assert host in services and port == "4317"  # Jaeger takes OTLP gRPC
+    pipeline = config["service"]["pipelines"]["traces"]
+    assert pipeline["receivers"] == ["otlp"] and pipeline["exporters"] == ["otlp"]
+    assert "/etc/otelcol/config.yaml" in services["otel-collector"]["command"][0]
+
+
+# Nomad
+
+
+def test_nomad_job_has_a_group_per_service() -> None:
+    spec = _hcl("specmesh.nomad.hcl")
+    variables = _blocks(spec["variable"])
+    for address in ("nats_url", "redis_url"):  # passed in, no default
+        assert "default" not in variables[address]
+    known = _option_variables()
+    groups = _blocks(_blocks(spec["job"])["specmesh"]["group"])
+    assert set(groups) == set(SERVICES)
+    for name, group in groups.items():
+        assert group["count"] == f"${{var.{name}_count}}" and f"{name}_count" in variables
+        assert group["restart"][0]["attempts"] > 0
+        (service,) = group["service"]
+        assert service["provider"] == "nomad" and "metrics" in service["tags"]
+        (check,) = service["check"]
+        assert check["type"] == "http" and check["path"] == "/health"
+        port = _blocks(group["network"][0]["port"])[service["port"]]
+        (task,) = _blocks(group["task"]).values()
+        assert task["driver"] == "docker"
+        config = task["config"][0]
+        assert _runs_module([config["command"], *config["args"]]) == f"services.{name}"
+        assert service["port"] in config["ports"]
+        env = task["env"][0]
+        unknown = {k for k in env if k.startswith("SPECMESH_")} - known
+        assert not unknown, f"{name} sets variables no service reads: {unknown}"
+        assert env["SPECMESH_NATS_URL"] == "${var.nats_url}"
+        served_on = env["SPECMESH_PORT"] if name == "gateway" else env["SPECMESH_METRICS_PORT"]
+        assert port["to"] == int(served_on)
+        # Secrets are files rendered from Nomad Variables into the task's secrets/ directory.
+        rendered = {t["destination"] for t in task["template"]}
+        for key, value in env.items():
+            if key.endswith("_PASSWORD_FILE"):
+                assert value.replace("${NOMAD_SECRETS_DIR}", "secrets") in rendered, key
+        assert "SPECMESH_NATS_PASSWORD_FILE" in env
+        if name in ("prefill", "decode"):  # the two ends of the KV transport
+            assert env["SPECMESH_REDIS_URL"] == "${var.redis_url}"
+            assert "SPECMESH_REDIS_PASSWORD_FILE" in env
+        resources = task["resources"][0]
+        assert resources["cpu"] > 0 and resources["memory"] > 0
+        devices = _blocks(resources.get("device", []))
+        if name in GPU_POOLS:
+            assert devices["nvidia/gpu"]["count"] == 1
+            assert env["SPECMESH_DEVICE"] == "cuda"
+        else:
+            assert not devices
+
+
+def test_nomad_infrastructure_job() -> None:
+    spec = _hcl("specmesh-infra.nomad.hcl")
+    groups = _blocks(_blocks(spec["job"])["specmesh-infra"]["group"])
+    assert {"nats", "valkey", "otel-collector"} <= set(groups)
+    for name, group in groups.items():
+        assert group["count"] == 1 and group["restart"], name
+        checks = [c for s in group["service"] for c in s.get("check", [])]
+        assert checks, f"{name} has no health check"
+        ports = _blocks(group["network"][0]["port"])
+        for check in checks:
+            assert check.get("port", group["service"][0]["port"]) in ports
+        (task,) = _blocks(group["task"]).values()
+        assert task["resources"][0]["cpu"] > 0 and task["resources"][0]["memory"] > 0
+    ports = _blocks(groups["nats"]["network"][0]["port"])
+    assert ports["client"]["static"] == 4222 and ports["monitor"]["static"] == 8222
+    (nats,) = _blocks(groups["nats"]["task"]).values()
+    config = nats["template"][0]["data"]
+    assert "max_payload: 8MB" in config and "jetstream" in config and "password" in config
+    (valkey,) = _blocks(groups["valkey"]["task"]).values()
+    assert "requirepass" in valkey["template"][0]["data"]
+
+
+# NATS and valkey as configured for deployment, with authentication
+
+
+NATS_PASSWORD = "nats-secret"
+REDIS_PASSWORD = "redis-secret"
+
+
+@pytest.fixture(scope="module")
+def secured_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
+    """nats-server with deploy/nats.conf (password auth, JetStream, monitoring) on free
+    loopback ports: (client URL, monitoring port)."""
+    tmp = tmp_path_factory.mktemp("nats")
+    deployed = (DEPLOY / "nats.conf").read_text()
+    assert "store_dir: /data" in deployed  # the container's volume; a temp dir here
+    (tmp / "nats.conf").write_text(deployed.replace("store_dir: /data", f"store_dir: {tmp}"))
+    port, monitor = free_port(), free_port()
+    binary = Path(sysconfig.get_path("scripts")) / "nats-server"
+    argv = [str(binary), "-c", str(tmp / "nats.conf"), "-a", "127.0.0.1"]
+    argv += ["-p", str(port), "-m", str(monitor)]
+    env = {**os.environ, "NATS_USER": "specmesh", "NATS_PASSWORD": NATS_PASSWORD}
+    with open(tmp / "nats.log", "wb") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            assert proc.poll() is None, (tmp / "nats.log").read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{monitor}/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "nats-server did not come up"
+            time.sleep(0.05)
+        yield f"nats://127.0.0.1:{port}", monitor
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def secured_valkey() -> Iterator[ServerProcess]:
+    with start_valkey() as server:
+        redis.Redis.from_url(server.url).config_set("requirepass", REDIS_PASSWORD)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def secret_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Password files as mounted secrets look: one line, a trailing newline."""
+    tmp = tmp_path_factory.mktemp("secrets")
+    files = {"nats": tmp / "nats_password", "redis": tmp / "redis_password"}
+    files["nats"].write_text(NATS_PASSWORD + "\n")
+    files["redis"].write_text(REDIS_PASSWORD + "\n")
+    return files
+
+
+def test_nats_config_serves_jetstream_monitoring_and_auth(secured_nats: tuple[str, int]) -> None:
+    url, monitor = secured_nats
+    varz = httpx.get(f"http://127.0.0.1:{monitor}/varz").json()
+    assert varz["max_payload"] == 8 * 1024 * 1024
+    assert httpx.get(f"http://127.0.0.1:{monitor}/jsz").status_code == 200
+
+    async def connect(auth: NatsAuth) -> None:
+        bus = await Bus.connect(url, "test", auth)
+        await bus.close()
+
+    asyncio.run(connect(NatsAuth(nats_user="specmesh", nats_password=NATS_PASSWORD)))
+    with pytest.raises(ConnectionError):
+        asyncio.run(connect(NatsAuth(nats_user="specmesh", nats_password="wrong")))
+
+
+def test_a_wrong_nats_password_fails_at_start(secured_nats: tuple[str, int]) -> None:
+    argv = [sys.executable, "-m", "services.drafter", "--speculative-algorithm", "NGRAM"]
+    argv += ["--nats-url", secured_nats[0], "--nats-user", "specmesh"]
+    env = {**os.environ, "SPECMESH_NATS_PASSWORD": "wrong"}
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "Authorization Violation" in result.stderr
+
+
+def test_redis_password_and_tls_options(secured_valkey: ServerProcess) -> None:
+    url = secured_valkey.url
+    good = TransportConfig(kv_transport="redis", redis_url=url, redis_password=REDIS_PASSWORD)
+    transport = good.open()
+    transport.put_many({"k": b"v"}, ttl_s=5)
+    assert transport.get_many(["k"]) == [b"v"]
+    transport.close()
+    with pytest.raises(ConnectionError, match="unreachable"):
+        TransportConfig(kv_transport="redis", redis_url=url).open()
+    with pytest.raises(ValueError, match="rediss://"):
+        TransportConfig(kv_transport="redis", redis_url=url, redis_tls_ca="ca.pem").open()
+
+
+def test_secrets_come_from_flags_environment_or_files(
+    secret_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def parsed(argv: list[str]) -> tuple[ServiceConfig, TransportConfig]:
+        configs: list[Any] = []
+
+        class Capture:  # stands in for a service class: records its configs, runs nothing
+            kind = "capture"
+
+            def __init__(self, *cfgs: Any) -> None:
+                configs.extend(cfgs)
+
+            def serve(self) -> None:
+                pass
+
+        service_main(Capture, [TransportConfig], argv)
+        return configs[0], configs[1]
+
+    cfg, tcfg = parsed(["--nats-password-file", str(secret_files["nats"])])
+    assert cfg.nats_password == NATS_PASSWORD  # the file's trailing newline is not part of it
+    monkeypatch.setenv("SPECMESH_REDIS_PASSWORD_FILE", str(secret_files["redis"]))
+    cfg, tcfg = parsed(["--nats-password", "given"])
+    assert cfg.nats_password == "given" and tcfg.redis_password == REDIS_PASSWORD
+    monkeypatch.setenv("SPECMESH_REDIS_PASSWORD", "from-env")  # a value beats a file
+    assert parsed([])[1].redis_password == "from-env"
+    with pytest.raises(SystemExit) as exit_info:
+        parsed(["--nats-token-file", str(secret_files["nats"].parent / "missing")])
+    assert exit_info.value.code == 2
+
+
+# The services as deployed: authenticated NATS and valkey, every dashboard metric served
+
+
+@pytest.fixture(scope="module")
+def deployment(
+    smollm_dir: Path,
+    secured_nats: tuple[str, int],
+    secured_valkey: ServerProcess,
+    secret_files: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, Path]]:
+    """`specmesh up` with NGRAM against the password-protected servers, passwords from
+    files: (HTTP URL, launcher output)."""
+    log = tmp_path_factory.mktemp("up") / "up.log"
+    args = ["--nats-url", secured_nats[0], "--nats-user", "specmesh"]
+    args += ["--nats-password-file", str(secret_files["nats"])]
+    args += ["--kv-transport", "redis", "--redis-url", secured_valkey.url]
+    args += ["--redis-password-file", str(secret_files["redis"]), "--kv-namespace", "deploy-test"]
+    args += ["--speculative-algorithm", "NGRAM"]
+    with specmesh_up(smollm_dir, *args, log=log) as url:
+        yield url, log
+
+
+def test_every_dashboard_metric_is_served(deployment: tuple[str, Path]) -> None:
+    url, log = deployment
+    prompt = "Repeat exactly: red green blue, red green blue, red green blue, red green blue."
+    response = chat(url, prompt, temperature=0, max_tokens=48)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-request-id"] == response.json()["id"]
+    # `specmesh up` lists each process with its /metrics URL; the gateway serves its own.
+    listed = re.findall(r"^\s+(\S+)\s+pid \d+\s+(http://\S+/metrics)$", log.read_text(), re.M)
+    assert {instance.split("-")[0] for instance, _ in listed} == set(SERVICES) - {"gateway"}
+    for _, metrics_url in listed:
+        health = httpx.get(metrics_url.removesuffix("/metrics") + "/health", timeout=10)
+        assert health.status_code == 200 and health.text == "ok\n"
+    urls = [f"{url}/metrics", *(u for _, u in listed)]
+    wanted = _dashboard_metrics()
+    deadline = time.monotonic() + 15  # gauges are set with each heartbeat (every second)
+    while True:
+        served = {name for u in urls for name, _ in scrape(u)}
+        missing = wanted - served
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not missing, f"the dashboard queries metrics no service serves: {sorted(missing)}"

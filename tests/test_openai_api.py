@@ -1,0 +1,472 @@
+"""The gateway through the official `openai` client, against `specmesh up` (real
+services, real NATS): every request field, streaming and not, tools, reasoning,
+errors, API keys, limits and cancellation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from deployment import sample, scrape, specmesh_up
+
+from shared.infra import free_port, start_nats
+
+QUESTION = "What is the capital of France?"
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "the city"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Get the local time in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def user(content: str) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+@pytest.fixture(scope="module")
+def deployment(smollm_dir: Path) -> Iterator[tuple[str, Path]]:
+    log = Path(tempfile.mkdtemp()) / "up.log"
+    args = ["--speculative-algorithm", "NGRAM", "--tool-call-parser", "hermes"]
+    with specmesh_up(smollm_dir, *args, log=log) as url:
+        yield url, log
+
+
+@pytest.fixture(scope="module")
+def url(deployment: tuple[str, Path]) -> str:
+    return deployment[0]
+
+
+@pytest.fixture(scope="module")
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def metrics_urls(log: Path, kind: str) -> list[str]:
+    """The /metrics URLs `specmesh up` listed for the instances of one kind."""
+    return [
+        line.split()[-1]
+        for line in log.read_text().splitlines()
+        if line.strip().startswith(f"{kind}-") and line.strip().endswith("/metrics")
+    ]
+
+
+def sse_events(url: str, path: str, body: dict) -> list[str]:
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=300) as response:
+        assert response.status_code == 200, response.read()
+        return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+# --- models, chat and streaming -------------------------------------------------
+
+
+def test_models(client: openai.OpenAI) -> None:
+    [card] = client.models.list().data
+    assert card.id == "SmolLM2-135M-Instruct"
+    assert client.models.retrieve(card.id).id == card.id
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("no-such-model")
+    assert info.value.body["type"] == "not_found_error"
+
+
+def test_chat_streaming_equals_non_streaming_for_every_choice(client: openai.OpenAI) -> None:
+    args = {"model": "SmolLM2-135M-Instruct", "messages": user(QUESTION), "max_tokens": 24}
+    args |= {"n": 2, "temperature": 0}
+    full = client.chat.completions.create(**args)
+    assert [c.index for c in full.choices] == [0, 1]
+    assert full.choices[0].message.content == full.choices[1].message.content  # greedy
+    assert "Paris" in full.choices[0].message.content
+    chunks = list(
+        client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
+    texts, finishes, roles = ["", ""], [[], []], [[], []]
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+        roles[choice.index].append(choice.delta.role)
+        finishes[choice.index].append(choice.finish_reason)
+    for i in range(2):
+        assert texts[i] == full.choices[i].message.content
+        assert roles[i][0] == "assistant" and set(roles[i][1:]) <= {None}
+        assert sum(f is not None for f in finishes[i]) == 1
+        assert finishes[i][-1] == full.choices[i].finish_reason
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_stream_framing(url: str) -> None:
+    """No role-only chunk ahead of the first token, one [DONE], usage only when asked."""
+    body = {"messages": user(QUESTION), "max_tokens": 8, "temperature": 0, "stream": True}
+    events = sse_events(url, "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = [json.loads(e) for e in events[:-1]]
+    first = chunks[0]["choices"][0]["delta"]
+    assert first["role"] == "assistant" and first["content"]
+    assert all(c["choices"] for c in chunks) and "usage" not in chunks[-1]
+
+
+def test_message_roles_and_content_parts(client: openai.OpenAI) -> None:
+    messages = [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "developer", "content": [{"type": "text", "text": "Be polite."}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Hello! "}, {"type": "text", "text": QUESTION}],
+        },
+        {"role": "assistant", "content": "The capital of France is Paris."},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+    out = client.chat.completions.create(messages=messages, max_tokens=12, temperature=0, model="")
+    assert out.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="text"):
+        image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+        client.chat.completions.create(messages=[{"role": "user", "content": [image]}], model="")
+
+
+def test_sampling_fields(client: openai.OpenAI) -> None:
+    def text(**extra: object) -> str:
+        out = client.chat.completions.create(
+            model="", messages=user("Tell me a story."), max_tokens=16, **extra
+        )
+        return out.choices[0].message.content
+
+    seeded = {"temperature": 1.0, "top_p": 0.9, "seed": 1234}
+    assert text(**seeded) == text(**seeded)
+    extra = {"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True}
+    text(presence_penalty=0.5, frequency_penalty=0.5, user="u-1", extra_body=extra)
+    text(stop=None)
+    text(response_format={"type": "json_object"}, reasoning_effort="low")
+    text(extra_body={"chat_template_kwargs": {"enable_thinking": False}, "not_a_field": 1})
+    seeded_n = client.chat.completions.create(
+        model="", messages=user("Tell me a story."), max_tokens=16, n=2, **seeded
+    )
+    assert seeded_n.choices[0].message.content != seeded_n.choices[1].message.content
+
+
+def test_token_limits_and_stop(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model="", messages=user(QUESTION), max_completion_tokens=5, extra_body={"ignore_eos": True}
+    )
+    assert out.usage.completion_tokens == 5 and out.choices[0].finish_reason == "length"
+    full = client.chat.completions.create(model="", messages=user(QUESTION), temperature=0)
+    assert full.choices[0].finish_reason == "stop"  # no max_tokens: up to the context's end
+    text = full.choices[0].message.content
+    for stop in ("Paris", ["Paris", "zzz"]):
+        cut = client.chat.completions.create(
+            model="", messages=user(QUESTION), temperature=0, stop=stop
+        )
+        assert cut.choices[0].message.content == text[: text.index("Paris")]
+        assert cut.choices[0].finish_reason == "stop"
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    args = {"model": "", "messages": user(QUESTION), "max_tokens": 6, "temperature": 0}
+    out = client.chat.completions.create(**args, logprobs=True, top_logprobs=3)
+    entries = out.choices[0].logprobs.content
+    assert len(entries) == out.usage.completion_tokens == 6
+    assert "".join(e.token for e in entries) == out.choices[0].message.content
+    for entry in entries:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
+    streamed = client.chat.completions.create(**args, logprobs=True, stream=True)
+    tokens = [e.token for c in streamed for e in (c.choices[0].logprobs.content or [])]
+    assert tokens == [e.token for e in entries]
+
+
+# --- completions ----------------------------------------------------------------
+
+
+def test_completions_prompt_forms(client: openai.OpenAI, smollm_dir: Path) -> None:
+    from shared.tokenizer import Tokenizer
+
+    prompt = "The capital of France is"
+    args = {"model": "SmolLM2-135M-Instruct", "max_tokens": 8, "temperature": 0}
+    one = client.completions.create(prompt=prompt, **args)
+    assert one.object == "text_completion" and one.choices[0].text
+    ids = Tokenizer(smollm_dir).encode(prompt)
+    assert client.completions.create(prompt=ids, **args).choices[0].text == one.choices[0].text
+    many = client.completions.create(prompt=[prompt, "One, two, three,"], n=2, **args)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert many.choices[0].text == many.choices[1].text == one.choices[0].text
+    assert many.usage.prompt_tokens == len(ids) + len(
+        Tokenizer(smollm_dir).encode("One, two, three,")
+    )
+    by_ids = client.completions.create(prompt=[ids, ids], **args)
+    assert [c.text for c in by_ids.choices] == [one.choices[0].text] * 2
+    echoed = client.completions.create(prompt=prompt, echo=True, best_of=1, **args)
+    assert echoed.choices[0].text == prompt + one.choices[0].text
+
+
+def test_completions_streaming_and_logprobs(client: openai.OpenAI) -> None:
+    args = {"model": "", "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0}
+    full = client.completions.create(**args, logprobs=2)
+    lp = full.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 10
+    assert "".join(lp.tokens) == full.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    chunks = list(
+        client.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+# --- tools ----------------------------------------------------------------------
+
+
+def weather_history() -> list[dict]:
+    """A worked example first: a 135M model follows the call format it has seen."""
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "London"}'},
+    }
+    return [
+        *user("What is the weather like in London?"),
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "rainy", "celsius": 12}'},
+        {"role": "assistant", "content": "It is rainy in London, 12 degrees."},
+        *user("What is the weather like in Paris?"),
+    ]
+
+
+def tool_calls(chunks: Iterator) -> tuple[list[tuple[str, str]], str]:
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [(t.function.name, t.function.arguments) for d in deltas for t in d.tool_calls or []]
+    return calls, "".join(d.content or "" for d in deltas)
+
+
+def test_tool_choice(client: openai.OpenAI) -> None:
+    args = {"model": "", "messages": weather_history(), "tools": [WEATHER_TOOL, TIME_TOOL]}
+    args |= {"temperature": 0, "max_tokens": 60}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = client.chat.completions.create(**args, tool_choice=named).choices[0]
+    assert out.finish_reason == "tool_calls" and out.message.content is None
+    [call] = out.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments), dict)
+    streamed = client.chat.completions.create(**args, tool_choice=named, stream=True)
+    assert tool_calls(streamed) == ([("get_weather", call.function.arguments)], "")
+    for choice in ("required", "auto"):  # the model may or may not manage a valid call
+        out = client.chat.completions.create(**args, tool_choice=choice).choices[0]
+        calls = [(t.function.name, t.function.arguments) for t in out.message.tool_calls or []]
+        for _, arguments in calls:
+            assert isinstance(json.loads(arguments), dict)
+        assert (out.finish_reason == "tool_calls") == bool(calls)
+        if choice == "required" and not calls:  # then it ran out of tokens mid-call
+            assert out.finish_reason == "length" and out.message.content.startswith("<tool_call>")
+        streamed = client.chat.completions.create(**args, tool_choice=choice, stream=True)
+        assert tool_calls(streamed) == (calls, out.message.content or "")
+
+
+def test_tool_choice_none_and_history(client: openai.OpenAI) -> None:
+    args = {"model": "", "tools": [WEATHER_TOOL], "temperature": 0, "max_tokens": 20}
+    out = client.chat.completions.create(
+        **args, messages=user("Weather in Paris?"), tool_choice="none"
+    )
+    assert out.choices[0].message.tool_calls is None and out.choices[0].message.content
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    history = [
+        *user("Weather in Paris?"),
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny", "celsius": 21}'},
+    ]
+    answer = client.chat.completions.create(**args, messages=history)
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_tool_choice_must_name_a_tool(client: openai.OpenAI) -> None:
+    bad = {"type": "function", "function": {"name": "nope"}}
+    with pytest.raises(openai.BadRequestError, match="nope"):
+        client.chat.completions.create(
+            model="", messages=user("hi"), tools=[WEATHER_TOOL], tool_choice=bad
+        )
+
+
+# --- errors ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": user("hi"), "temperature": 5}, "temperature"),
+        ({"messages": user("hi"), "n": 0}, "n"),
+        ({"messages": user("hi"), "max_tokens": -1}, "max_tokens"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ({"messages": user("hi"), "top_logprobs": 2}, None),
+        ({"messages": user("hi"), "stream_options": {"include_usage": True}}, None),
+        ({"messages": user("hi"), "response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"messages": user("hi"), "max_tokens": 10**6}, None),
+    ],
+)
+def test_bad_requests_get_400(url: str, body: dict, param: str | None) -> None:
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"] and error["code"] == 400
+    if param is not None:
+        assert error["param"] == param
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_malformed_json_and_unknown_routes(url: str) -> None:
+    response = httpx.post(
+        f"{url}/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert response.status_code == 400 and response.json()["error"]["message"]
+    missing = httpx.get(f"{url}/v1/nothing-here")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    wrong = httpx.get(f"{url}/v1/chat/completions")
+    assert wrong.status_code == 405 and "error" in wrong.json()
+
+
+def test_unknown_model_is_404(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=user("hi"))
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4o", prompt="hi")
+
+
+def test_too_large_is_413(url: str) -> None:
+    body = {"messages": user("x" * (5 << 20))}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 413 and response.json()["error"]["code"] == 413
+
+
+# --- cancellation ---------------------------------------------------------------
+
+
+def _decode_idle(log: Path) -> bool:
+    samples = [scrape(u) for u in metrics_urls(log, "decode")]
+    return all(sample(s, "specmesh_active_requests", service="decode") == 0 for s in samples)
+
+
+def _wait_idle(log: Path, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not _decode_idle(log):
+        assert time.monotonic() < deadline, "the decode worker still runs the request"
+        time.sleep(0.2)
+
+
+def test_client_disconnect_aborts_everywhere(deployment: tuple[str, Path]) -> None:
+    url, log = deployment
+    long = {"messages": user("Write a long story."), "max_tokens": 2000, "ignore_eos": True}
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", json={**long, "stream": True}, timeout=60
+    ) as response:
+        lines = response.iter_lines()
+        deadline = time.monotonic() + 10
+        while _decode_idle(log):  # the gauge follows heartbeats (every second)
+            assert time.monotonic() < deadline, "the request never showed up on decode"
+            next(lines)
+    _wait_idle(log)
+    with pytest.raises(httpx.ReadTimeout):  # not streaming: the client gives up
+        httpx.post(f"{url}/v1/chat/completions", json=long, timeout=2)
+    _wait_idle(log)
+    free = [
+        sample(scrape(u), "specmesh_kv_blocks_used", service="decode")
+        for u in metrics_urls(log, "decode")
+    ]
+    assert free == [0.0] * len(free)
+
+
+# --- other deployments: API key, reasoning, load limits, no workers -------------
+
+
+@pytest.fixture(scope="module")
+def guarded(smollm_dir: Path) -> Iterator[str]:
+    args = ["--reasoning-parser", "deepseek_r1", "--max-pending-requests", "2"]
+    with specmesh_up(smollm_dir, *args, env={"SPECMESH_API_KEY": "sk-test"}) as url:
+        yield url
+
+
+def test_api_key(guarded: str) -> None:
+    for key in ("wrong", None):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        response = httpx.get(f"{guarded}/v1/models", headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{guarded}/v1", api_key="nope").models.list()
+    good = openai.OpenAI(base_url=f"{guarded}/v1", api_key="sk-test")
+    assert good.models.list().data
+    assert httpx.get(f"{guarded}/health").status_code == 200  # probes need no key
+
+
+def test_reasoning_parser(guarded: str) -> None:
+    client = openai.OpenAI(base_url=f"{guarded}/v1", api_key="sk-test")
+    args = {"model": "", "messages": user(QUESTION), "temperature": 0, "max_tokens": 16}
+    out = client.chat.completions.create(**args).choices[0].message
+    # deepseek_r1: the template opened <think>, so text before </think> is reasoning.
+    assert out.reasoning_content and not out.content
+    streamed = client.chat.completions.create(**args, stream=True)
+    reasoning = "".join(
+        getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in streamed
+    )
+    assert reasoning == out.reasoning_content
+
+
+def test_overload_is_429(guarded: str) -> None:
+    client = openai.OpenAI(base_url=f"{guarded}/v1", api_key="sk-test", max_retries=0)
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(model="", messages=user("hi"), n=3, max_tokens=4)
+    assert client.chat.completions.create(model="", messages=user("hi"), n=2, max_tokens=4)
+
+
+def test_no_workers_is_503(smollm_dir: Path) -> None:
+    nats = start_nats()
+    port = free_port()
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "services.gateway", "--nats-url", nats.url, "--port", str(port)]
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                health = httpx.get(f"{url}/health")
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        assert health.status_code == 503
+        response = httpx.post(f"{url}/v1/chat/completions", json={"messages": user("hi")})
+        assert response.status_code == 503
+        assert response.json()["error"]["type"] == "service_unavailable_error"
+    finally:
+        gateway.terminate()
+        gateway.wait(30)
+        nats.stop()
