@@ -71,6 +71,9 @@ EOF
 # --- aiperf -----------------------------------------------------------------------------------
 # HF_HUB_OFFLINE must stay unset: aiperf 0.13 treats every tokenizer name as a hub repo id when
 # it is set, and a local directory then fails; with it unset a local path loads directly.
+# --request-rate well above what the server sustains keeps --concurrency the binding limit;
+# without any rate aiperf's timing_manager busy-polls for a free slot and takes a whole core
+# (half of a 2-core machine) away from the server.
 server_info > "$LG_OUT/aiperf_server_info_before.json"
 rm -rf "$LG_OUT/aiperf"
 env -u HF_HUB_OFFLINE "$LG_VENV/bin/aiperf" profile \
@@ -78,7 +81,8 @@ env -u HF_HUB_OFFLINE "$LG_VENV/bin/aiperf" profile \
     --synthetic-input-tokens-mean "$ISL" --synthetic-input-tokens-stddev 0 \
     --output-tokens-mean "$OSL" --output-tokens-stddev 0 \
     --extra-inputs '{"ignore_eos": true, "temperature": 0}' \
-    --concurrency "$CONCURRENCY" --request-count "$NUM_PROMPTS" --warmup-request-count 1 \
+    --concurrency "$CONCURRENCY" --request-rate 10 --request-count "$NUM_PROMPTS" \
+    --warmup-request-count 1 \
     --random-seed 1 --ui-type none --no-gpu-telemetry --artifact-dir "$LG_OUT/aiperf" \
     > "$LG_OUT/aiperf.log" 2>&1
 server_info > "$LG_OUT/aiperf_server_info_after.json"

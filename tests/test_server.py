@@ -125,7 +125,7 @@ def test_ngram_speculation_over_http_is_lossless(server: str, ngram_server: str)
             body = chat(ngram_server, prompt, **args).json()
             spec = body["choices"][0]["message"]["content"]
             per_request = body["metrics"]["speculative_decoding"]
-            assert per_request["num_verify_steps"] > 0
+            assert per_request["num_spec_steps"] > 0
             assert per_request["mean_acceptance_length"] >= 1.0
         assert spec == plain
     state = httpx.get(f"{ngram_server}/get_server_info").json()["internal_states"][0]

@@ -340,20 +340,20 @@ def _acceptance_length(steps: int, accepted: int) -> float:
 
 
 def _spec_metrics(choices: Any) -> dict[str, Any]:
-    """Speculation over the request's choices, in the shape vLLM reports it."""
+    """Speculation over the request's choices, under the names aiperf reads."""
     specs = [c.spec for c in choices if c.spec]
     if not specs:
         return {}
     totals = {key: sum(s[key] for s in specs) for key in specs[0]}
+    steps, drafted, accepted = totals["steps"], totals["draft_tokens"], totals["accepted_tokens"]
     return {
         "metrics": {
             "speculative_decoding": {
-                "num_verify_steps": totals["steps"],
-                "num_draft_tokens": totals["draft_tokens"],
-                "num_accepted_tokens": totals["accepted_tokens"],
-                "mean_acceptance_length": _acceptance_length(
-                    totals["steps"], totals["accepted_tokens"]
-                ),
+                "num_spec_steps": steps,
+                "num_draft_tokens": drafted,
+                "num_accepted_draft_tokens": accepted,
+                "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+                "mean_acceptance_length": _acceptance_length(steps, accepted),
             }
         }
     }
