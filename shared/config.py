@@ -79,6 +79,11 @@ def model_option() -> Any:
     return option(None, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
 
 
+def env_name(option_name: str) -> str:
+    """The environment variable behind an option: `kv_cache_gb` -> SPECMESH_KV_CACHE_GB."""
+    return "SPECMESH_" + option_name.upper()
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
     """Expose each field of a config dataclass as `--field-name`, with its help text,
     default, and a matching environment variable `SPECMESH_FIELD_NAME`. An option that
@@ -91,7 +96,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         kind = hints[f.name]
         if isinstance(kind, types.UnionType):  # `X | None` options parse as X
             kind = next(a for a in typing.get_args(kind) if a is not type(None))
-        env = "SPECMESH_" + f.name.upper()
+        env = env_name(f.name)
         default = os.environ.get(env, f.default)
         help_text = f"{f.metadata.get('help', '')} [env {env}]"
         flag = f"--{f.name.replace('_', '-')}"
@@ -136,7 +141,7 @@ def dataclass_argv(config: Any) -> list[str]:
 def dataclass_secrets(config: Any) -> dict[str, str]:
     """The environment variables that pass `config`'s secrets to a child process."""
     return {
-        "SPECMESH_" + f.name.upper(): str(getattr(config, f.name))
+        env_name(f.name): str(getattr(config, f.name))
         for f in dataclasses.fields(config)
         if f.metadata.get("secret") and getattr(config, f.name) is not None
     }

@@ -38,6 +38,7 @@ from services.drafter.service import DrafterConfig
 from services.gateway.config import GatewayConfig
 from services.tokenizer.service import TokenizerConfig
 from shared.bus import Bus, NatsAuth
+from shared.config import env_name
 from shared.engine.engine import EngineConfig
 from shared.infra import ServerProcess, free_port, start_valkey
 from shared.service import ServiceConfig, service_main
@@ -71,9 +72,9 @@ def _option_variables() -> set[str]:
     names = set(OTHER_VARIABLES)
     for cls in CONFIGS:
         for f in dataclasses.fields(cls):
-            names.add(f"SPECMESH_{f.name.upper()}")
+            names.add(env_name(f.name))
             if f.metadata.get("secret"):
-                names.add(f"SPECMESH_{f.name.upper()}_FILE")
+                names.add(env_name(f.name) + "_FILE")
     return names
 
 

@@ -365,20 +365,23 @@ def _sse(body: dict[str, Any] | str) -> str:
 
 async def _events(
     generation: Generation,
-    chunks: Callable[[TextDelta], list[str]],
-    usage_chunk: Callable[[], dict[str, Any]] | None,
+    entry_for: Callable[[TextDelta], dict[str, Any] | None],
+    head: dict[str, Any],
+    choices: Any,
+    include_usage: bool,
 ) -> AsyncIterator[str]:
-    """SSE framing shared by chat and completions: chunks per delta, a failure as an
-    error event, the usage chunk when asked, one [DONE]; aborts if the client leaves."""
+    """SSE framing shared by chat and completions (`head["object"]` names the chunks): a
+    chunk per delta that has something to say, a failure as an error event, the usage
+    chunk when asked, one [DONE]; aborts if the client leaves."""
     try:
         async for delta in generation.deltas():
             if delta.finish_reason == "error":
                 yield _sse(error_body(500, delta.error or "generation failed"))
                 break
-            for chunk in chunks(delta):
-                yield chunk
-        if usage_chunk is not None:
-            yield _sse(usage_chunk())
+            if (entry := entry_for(delta)) is not None:
+                yield _sse({**head, "choices": [entry]})
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": _usage(generation, choices)})
         yield _sse("[DONE]")
     finally:
         generation.close()
@@ -393,15 +396,12 @@ def _chat_stream(
 ) -> AsyncIterator[str]:
     started: set[str] = set()
 
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-        return _sse({**head, "object": "chat.completion.chunk", "choices": choices, **extra})
-
-    def chunks(delta: TextDelta) -> list[str]:
+    def entry_for(delta: TextDelta) -> dict[str, Any] | None:
         choice = outputs[delta.request_id]
         message = choice.feed(delta)
         finished = choice.finish_reason is not None
         if not message and not finished and not (want_logprobs and delta.logprobs):
-            return []
+            return None
         if delta.request_id not in started:  # the role rides on the first real chunk
             started.add(delta.request_id)
             message = {"role": "assistant", **message}
@@ -412,13 +412,10 @@ def _chat_stream(
         }
         if want_logprobs:
             entry["logprobs"] = {"content": delta.logprobs or []}
-        return [chunk([entry])]
+        return entry
 
-    def usage() -> dict[str, Any]:
-        body = {**head, "object": "chat.completion.chunk", "choices": []}
-        return {**body, "usage": _usage(generation, outputs.values())}
-
-    return _events(generation, chunks, usage if include_usage else None)
+    head = {**head, "object": "chat.completion.chunk"}
+    return _events(generation, entry_for, head, outputs.values(), include_usage)
 
 
 def _completion_stream(
@@ -427,22 +424,18 @@ def _completion_stream(
     head: dict[str, Any],
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    def chunks(delta: TextDelta) -> list[str]:
+    def entry_for(delta: TextDelta) -> dict[str, Any] | None:
         choice = outputs[delta.request_id]
         text, logprobs = choice.feed(delta)
         finished = choice.finish_reason is not None
         if not text and not finished and not logprobs:
-            return []
-        entry = {
+            return None
+        return {
             "index": choice.index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": choice.finish_reason if finished else None,
         }
-        return [_sse({**head, "object": "text_completion", "choices": [entry]})]
 
-    def usage() -> dict[str, Any]:
-        body = {**head, "object": "text_completion", "choices": []}
-        return {**body, "usage": _usage(generation, outputs.values())}
-
-    return _events(generation, chunks, usage if include_usage else None)
+    head = {**head, "object": "text_completion"}
+    return _events(generation, entry_for, head, outputs.values(), include_usage)

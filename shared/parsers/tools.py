@@ -111,6 +111,8 @@ class ToolParser(ABC):
     name: ClassVar[str]
     # Every unit ends with one of these characters: reading is only retried after one arrives.
     unit_ends: ClassVar[str]
+    call_opening: ClassVar[str]  # what comes before a call object's `{`
+    arguments_key: ClassVar[str] = "arguments"
 
     @abstractmethod
     def render_tools(self, tools: list[dict[str, Any]]) -> str:
@@ -120,9 +122,14 @@ class ToolParser(ABC):
     def render_calls(self, calls: list[dict[str, Any]]) -> str:
         """An assistant message's OpenAI `tool_calls` written as text in this format."""
 
-    @abstractmethod
     def call_prefix(self, name: str | None) -> str:
-        """Text that opens a call (of function `name`, or any when None), to force one."""
+        """Text that opens a call (of function `name`, or any when None), to force one.
+        With no name the name's quote is opened too: the model then picks a tool, not
+        the shape; with a name the arguments object is opened."""
+        if name is None:
+            return f'{self.call_opening}{{"name": "'
+        quoted = json.dumps(name, ensure_ascii=False)
+        return f'{self.call_opening}{{"name": {quoted}, "{self.arguments_key}": {{'
 
     @abstractmethod
     def _content_end(self, text: str, at_start: bool) -> tuple[int, bool]:
@@ -203,6 +210,7 @@ class HermesToolParser(ToolParser):
     unit_ends = ">"
     OPEN = "<tool_call>"
     CLOSE = "</tool_call>"
+    call_opening = OPEN + "\n"
 
     def render_tools(self, tools: list[dict[str, Any]]) -> str:
         return (
@@ -217,13 +225,8 @@ class HermesToolParser(ToolParser):
     def render_calls(self, calls: list[dict[str, Any]]) -> str:
         return "\n".join(
             f"{self.OPEN}\n{json.dumps(call, ensure_ascii=False)}\n{self.CLOSE}"
-            for call in _call_objects(calls, "arguments")
+            for call in _call_objects(calls, self.arguments_key)
         )
-
-    def call_prefix(self, name: str | None) -> str:
-        if name is None:  # open the name too: the model then picks a tool, not the shape
-            return f'{self.OPEN}\n{{"name": "'
-        return f'{self.OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {{'
 
     def _content_end(self, text: str, at_start: bool) -> tuple[int, bool]:
         return _content_end(text, self.OPEN)
@@ -250,6 +253,8 @@ class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     unit_ends = "}"
     PYTHON_TAG = "<|python_tag|>"
+    call_opening = ""
+    arguments_key = "parameters"
     # What may come before a call: separators, the tag, whitespace.
     _LEAD = re.compile(r"[\s;]*(?:<\|python_tag\|>)?\s*")
 
@@ -262,14 +267,8 @@ class Llama3JsonToolParser(ToolParser):
         )
 
     def render_calls(self, calls: list[dict[str, Any]]) -> str:
-        return "; ".join(
-            json.dumps(call, ensure_ascii=False) for call in _call_objects(calls, "parameters")
-        )
-
-    def call_prefix(self, name: str | None) -> str:
-        if name is None:
-            return '{"name": "'
-        return f'{{"name": {json.dumps(name, ensure_ascii=False)}, "parameters": {{'
+        objects = _call_objects(calls, self.arguments_key)
+        return "; ".join(json.dumps(call, ensure_ascii=False) for call in objects)
 
     def _content_end(self, text: str, at_start: bool) -> tuple[int, bool]:
         # Only an output that opens with a call is one; the decision is made once.
@@ -294,6 +293,7 @@ class MistralToolParser(ToolParser):
     name = "mistral"
     unit_ends = "}]"
     MARKER = "[TOOL_CALLS]"
+    call_opening = MARKER + "["
     # Units: an array's first element, a later element, the array's end, a name[ARGS] call.
     _FIRST_ITEM = re.compile(r"\s*\[TOOL_CALLS\]\s*\[\s*")
     _NEXT_ITEM = re.compile(r"\s*,\s*")
@@ -309,13 +309,8 @@ class MistralToolParser(ToolParser):
         )
 
     def render_calls(self, calls: list[dict[str, Any]]) -> str:
-        objects = _call_objects(calls, "arguments")
+        objects = _call_objects(calls, self.arguments_key)
         return self.MARKER + json.dumps(objects, ensure_ascii=False)
-
-    def call_prefix(self, name: str | None) -> str:
-        if name is None:  # open the name too: the model then picks a tool, not the shape
-            return f'{self.MARKER}[{{"name": "'
-        return f'{self.MARKER}[{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {{'
 
     def _content_end(self, text: str, at_start: bool) -> tuple[int, bool]:
         return _content_end(text, self.MARKER)
