@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,11 @@ class UpConfig:
     tokenizers: int = option(1, "tokenizer instances")
     nats_url: str | None = option(None, "use this NATS server instead of starting one")
     metrics: bool = option(True, "serve /metrics from every service (on free ports)")
+    decode_nice: int = option(
+        10,
+        "niceness of decode workers: on shared cores, prefill and the short per-step work "
+        "of the other services go first, as in a single engine's prefill-first schedule",
+    )
 
 
 @dataclass
@@ -76,6 +82,18 @@ class Configs:
     def service_env(self, kind: str) -> dict[str, str]:
         """Secrets travel in the environment, not on the command line."""
         return {k: v for c in self.service_configs(kind) for k, v in dataclass_secrets(c).items()}
+
+
+def _child_setup(nice: int) -> Callable[[], None]:
+    """Runs in a service process before it starts: it dies with us and runs at `nice`."""
+    die = die_with_parent()
+
+    def setup() -> None:
+        if die is not None:
+            die()
+        os.nice(nice)
+
+    return setup
 
 
 class Launcher:
@@ -150,7 +168,8 @@ class Launcher:
             "gateway": 1,
         }
         # Processes share the cores: all but decode (the critical path) wait for OpenMP
-        # work passively, so their idle threads do not spin on decode's cores.
+        # work passively, so their idle threads do not spin on decode's cores; decode
+        # yields to the others, whose work is short (or, for prefill, grows its batch).
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for kind, count in counts.items():
             for i in range(count):
@@ -166,7 +185,7 @@ class Launcher:
                     argv,
                     env=child_env,
                     start_new_session=True,  # Ctrl-C reaches us; we stop them in order
-                    preexec_fn=die_with_parent(),
+                    preexec_fn=_child_setup(up.decode_nice if kind == "decode" else 0),
                 )
 
     def _dead(self) -> str | None:

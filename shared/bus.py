@@ -166,3 +166,36 @@ class Bus:
         for sub in self._subscriptions:
             await sub.unsubscribe()
         await self.nc.drain()
+
+
+class Outbox:
+    """Publishes, per subject, what was put for it during one event-loop turn as one
+    message, `envelope(items)`, in order. A decode step's output for many requests
+    thus travels as one message per detokenizer instead of one per request."""
+
+    def __init__(self, bus: Bus, envelope: Callable[[list[Any]], Any]) -> None:
+        self.bus = bus
+        self.envelope = envelope
+        self._turn: dict[str, list[Any]] = {}
+        self._ready: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._sender: asyncio.Task[None] | None = None
+
+    def put(self, subject: str, item: Any) -> None:
+        if not self._turn:
+            asyncio.get_running_loop().call_soon(self._seal)
+        self._turn.setdefault(subject, []).append(item)
+
+    def _seal(self) -> None:
+        turn, self._turn = self._turn, {}
+        for subject, items in turn.items():
+            self._ready.put_nowait((subject, self.envelope(items)))
+        if self._sender is None:
+            self._sender = asyncio.create_task(self._send())
+
+    async def _send(self) -> None:
+        while True:  # one sender keeps the messages in order
+            subject, msg = await self._ready.get()
+            try:
+                await self.bus.publish(subject, msg)
+            except Exception:  # e.g. reconnecting with a full buffer: later ones may pass
+                log.exception("cannot publish to %s", subject)

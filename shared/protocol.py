@@ -114,7 +114,7 @@ class Admitted:
 
 @dataclass
 class TokenBatch:
-    """Tokens a decode step produced for one request."""
+    """Tokens a decode step produced for one request (travels in a TokenBatches)."""
 
     request_id: str
     output_subject: str
@@ -126,6 +126,14 @@ class TokenBatch:
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache
     spec: dict[str, int] | None = None  # speculation totals, on the last batch
     error: str | None = None  # with finish_reason "error"
+
+
+@dataclass
+class TokenBatches:
+    """One decode step's output for the requests one detokenizer serves: a message per
+    step, not per request."""
+
+    batches: list[TokenBatch]
 
 
 @dataclass
@@ -141,6 +149,13 @@ class TextDelta:
     num_cached_tokens: int = 0
     spec: dict[str, int] | None = None
     error: str | None = None  # with finish_reason "error"
+
+
+@dataclass
+class TextDeltas:
+    """The TextDelta of each request one gateway serves, from one TokenBatches."""
+
+    deltas: list[TextDelta]
 
 
 @dataclass
@@ -212,8 +227,8 @@ _MESSAGES: dict[str, type] = {
         PrefillReply,
         AdmitRequest,
         Admitted,
-        TokenBatch,
-        TextDelta,
+        TokenBatches,
+        TextDeltas,
         Abort,
         DraftOpen,
         DraftClose,
@@ -222,7 +237,7 @@ _MESSAGES: dict[str, type] = {
         Heartbeat,
     )
 }
-_NESTED = {SamplingParams, PrefillReply, DraftItem, DraftTreeMsg}
+_NESTED = {SamplingParams, PrefillReply, TokenBatch, TextDelta, DraftItem, DraftTreeMsg}
 
 M = TypeVar("M")
 

@@ -17,7 +17,10 @@ from shared.protocol import (
     PrefillReply,
     ProtocolError,
     RemoteError,
+    TextDelta,
+    TextDeltas,
     TokenBatch,
+    TokenBatches,
     decode,
     encode,
 )
@@ -39,6 +42,12 @@ def test_nested_messages_round_trip() -> None:
     assert decode(encode(step)) == step
     reply = DraftReply([DraftTreeMsg([5, 6], [-1, 0])])
     assert decode(encode(reply), DraftReply) == reply
+    tokens = TokenBatches(
+        [TokenBatch("r1", "out", [5, 6], [-0.5, -1.0], [[(5, -0.5)], [(6, -1.0), (2, -3.0)]])]
+    )
+    assert decode(encode(tokens), TokenBatches) == tokens
+    deltas = TextDeltas([TextDelta("r1", "Hi", 2), TextDelta("r2", "", 0, finish_reason="stop")])
+    assert decode(encode(deltas), TextDeltas) == deltas
 
 
 def test_defaults_fill_fields_an_older_peer_did_not_send() -> None:
@@ -64,12 +73,14 @@ def test_bad_messages_are_rejected(raw: bytes, message: str) -> None:
 
 def test_an_error_reply_raises_with_its_status() -> None:
     with pytest.raises(RemoteError, match="too long") as info:
-        decode(encode(ErrorReply("prompt too long", 400)), TokenBatch)
+        decode(encode(ErrorReply("prompt too long", 400)), TokenBatches)
     assert info.value.status == 400
-    with pytest.raises(ProtocolError, match="expected TokenBatch"):
-        decode(encode(Heartbeat("decode", "d0")), TokenBatch)
+    with pytest.raises(ProtocolError, match="expected TokenBatches"):
+        decode(encode(Heartbeat("decode", "d0")), TokenBatches)
 
 
 def test_only_protocol_messages_encode() -> None:
     with pytest.raises(ProtocolError):
         encode(SamplingParams())
+    with pytest.raises(ProtocolError):  # a step's tokens travel only in a TokenBatches
+        encode(TokenBatch("r1", "out", [5]))

@@ -20,6 +20,7 @@ from pathlib import Path
 from opentelemetry import context as otel_context
 
 from services.decode.drafter_client import DrafterClient
+from shared.bus import Outbox
 from shared.config import option
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import EngineConfig, FirstToken, LLMEngine, TokenOutput
@@ -34,6 +35,7 @@ from shared.protocol import (
     Admitted,
     Heartbeat,
     TokenBatch,
+    TokenBatches,
     decode_subject,
 )
 from shared.service import EngineService, ServiceConfig
@@ -90,6 +92,7 @@ class DecodeService(EngineService):
         ecfg.model = str(resolve_model(ecfg.model))
         self.transport = tcfg.open()
         self.streams: dict[str, asyncio.Task[None]] = {}
+        self.outbox: Outbox  # once the bus is connected
         self.client: DrafterClient | None = None
         if self.spec is not None:
             mcfg = ModelConfig.from_file(Path(ecfg.model) / "config.json")
@@ -108,6 +111,7 @@ class DecodeService(EngineService):
     async def start(self) -> None:
         if self.client is not None:
             self.client.connect(self.bus, asyncio.get_running_loop())
+        self.outbox = Outbox(self.bus, TokenBatches)
         await self.bus.serve(decode_subject(self.instance_id), self.admit)
         await self.bus.serve(ABORT, self.abort)
 
@@ -154,7 +158,7 @@ class DecodeService(EngineService):
             RemotePrefix(pre.kv_keys, len(req.prompt_ids)),
             FirstToken(pre.first_token, pre.logprob, pre.top_logprobs),
         )
-        task = asyncio.create_task(self._forward(req, stream, ctx))
+        task = asyncio.create_task(self._forward(req, stream))
         self.streams[req.request_id] = task
         task.add_done_callback(lambda _: self.streams.pop(req.request_id, None))
         return Admitted(self.instance_id)
@@ -165,17 +169,15 @@ class DecodeService(EngineService):
             task.cancel()  # leaving the stream aborts the request in the engine
 
     async def _forward(
-        self,
-        req: AdmitRequest,
-        stream: AsyncGenerator[list[TokenOutput], None],
-        ctx: otel_context.Context,
+        self, req: AdmitRequest, stream: AsyncGenerator[list[TokenOutput], None]
     ) -> None:
+        """The request's tokens to its detokenizer, with the other requests' of each step."""
         cached = len(req.prompt_ids) - req.prefill.num_computed_tokens
         want_logprobs = req.params.logprobs is not None
         try:
             async for outputs in stream:
                 batch = _batch(req, outputs, cached, want_logprobs)
-                await self.bus.publish(req.detok_subject, batch, ctx)
+                self.outbox.put(req.detok_subject, batch)
                 if batch.spec is not None:
                     self._count_speculation(batch.spec)
         except asyncio.CancelledError:
@@ -184,7 +186,7 @@ class DecodeService(EngineService):
             failed = TokenBatch(
                 req.request_id, req.output_subject, [], finish_reason="error", error=str(exc)
             )
-            await self.bus.publish(req.detok_subject, failed, ctx)
+            self.outbox.put(req.detok_subject, failed)
 
     def _count_speculation(self, spec: dict[str, int]) -> None:
         algorithm = self.spec.speculative_algorithm if self.spec else "none"

@@ -29,6 +29,7 @@ from shared.protocol import (
     PrefillReply,
     PrefillRequest,
     TextDelta,
+    TextDeltas,
     TokenizeReply,
     TokenizeRequest,
     decode_subject,
@@ -169,7 +170,7 @@ class Cluster:
         self._background: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        await self.bus.serve(gateway_subject(self.gateway_id), self._on_delta)
+        await self.bus.serve(gateway_subject(self.gateway_id), self._on_deltas)
         await self.bus.serve(HEARTBEAT.format(kind="*"), self._on_heartbeat)
         self._watchdog = asyncio.create_task(self._watch())
 
@@ -188,10 +189,11 @@ class Cluster:
             instances[hb.instance_id] = Instance(hb, time.monotonic())
         INSTANCES.labels(hb.kind).set(len(instances))
 
-    async def _on_delta(self, delta: TextDelta) -> None:
-        queue = self.outputs.get(delta.request_id)
-        if queue is not None:
-            queue.put_nowait(delta)
+    async def _on_deltas(self, msg: TextDeltas) -> None:
+        for delta in msg.deltas:
+            queue = self.outputs.get(delta.request_id)
+            if queue is not None:
+                queue.put_nowait(delta)
 
     async def _watch(self) -> None:
         while True:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from shared.bus import Outbox
 from shared.config import model_option
 from shared.model.fetch import resolve_model
 from shared.parsers.tools import ToolParser, make_tool_parser
@@ -19,7 +20,9 @@ from shared.protocol import (
     TOKENIZE,
     Abort,
     TextDelta,
+    TextDeltas,
     TokenBatch,
+    TokenBatches,
     TokenizeReply,
     TokenizeRequest,
     detok_subject,
@@ -41,8 +44,10 @@ class TokenizerService(Service):
         super().__init__(cfg)
         self.tokenizer = Tokenizer(resolve_model(tcfg.model))
         self.streams: dict[str, TextStream] = {}
+        self.outbox: Outbox  # once the bus is connected
 
     async def start(self) -> None:
+        self.outbox = Outbox(self.bus, TextDeltas)
         await self.bus.serve(TOKENIZE, self.tokenize, queue="tokenizer")
         await self.bus.serve(detok_subject(self.instance_id), self.detokenize)
         await self.bus.serve(ABORT, self.abort)
@@ -88,7 +93,11 @@ class TokenizerService(Service):
         prompt = self.tokenizer.apply_chat_template(messages, tools=tools, **kwargs)
         return prompt + req.assistant_prefix
 
-    async def detokenize(self, batch: TokenBatch) -> None:
+    async def detokenize(self, msg: TokenBatches) -> None:
+        for batch in msg.batches:
+            await self._detokenize(batch)
+
+    async def _detokenize(self, batch: TokenBatch) -> None:
         stream = self.streams.get(batch.request_id)
         if stream is None:  # aborted meanwhile
             return
@@ -119,7 +128,7 @@ class TokenizerService(Service):
             batch.spec,
             batch.error,
         )
-        await self.bus.publish(batch.output_subject, delta)
+        self.outbox.put(batch.output_subject, delta)
 
     async def abort(self, msg: Abort) -> None:
         self.streams.pop(msg.request_id, None)

@@ -21,7 +21,8 @@ from shared.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-_Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[list[TokenOutput] | Exception]"]
+_Queue = asyncio.Queue[list[TokenOutput] | Exception]
+_Stream = tuple[asyncio.AbstractEventLoop, _Queue]
 
 
 class AsyncEngine:
@@ -57,7 +58,7 @@ class AsyncEngine:
         self.engine.check_request(prompt_ids, params)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
-        queue: asyncio.Queue[list[TokenOutput] | Exception] = asyncio.Queue()
+        queue: _Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         self._post(lambda: self._add(request_id, prompt_ids, params, remote_kv, first))
         finished = False
@@ -126,5 +127,20 @@ class AsyncEngine:
             by_request: dict[str, list[TokenOutput]] = {}
             for out in outputs:
                 by_request.setdefault(out.request_id, []).append(out)
-            for request_id, items in by_request.items():
-                self._deliver(request_id, items)
+            self._deliver_step(by_request)
+
+    def _deliver_step(self, by_request: dict[str, list[TokenOutput]]) -> None:
+        """A step's outputs, with one wake-up of each event loop (not one per request),
+        so its consumers see the whole step in one turn."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Queue, list[TokenOutput]]]] = {}
+        for request_id, items in by_request.items():
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], items))
+        for loop, puts in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, puts)
+
+
+def _put_all(puts: list[tuple[_Queue, list[TokenOutput]]]) -> None:
+    for queue, items in puts:
+        queue.put_nowait(items)
