@@ -96,7 +96,7 @@ def standalone(
     draft = tiny_llama(tmp_path_factory.mktemp("draft"), vocab=49152, seed=0)
     log = tmp_path_factory.mktemp("up") / "up.log"
     args = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", draft]
-    args += ["--decoders", "2", "--drafters", "2", "--kv-namespace", "standalone-test"]
+    args += ["--decoders", "2", "--drafters", "2", "--kv-namespace", "standalone-test", "--overlap"]
     with (
         start_nats() as bus,
         specmesh_up(smollm_dir, "--nats-url", bus.url, *args, log=log) as url,

@@ -59,7 +59,10 @@ from shared.transport import TransportConfig
 @dataclass
 class DecodeConfig:
     overlap: bool = option(
-        True, "keep two micro-batches in flight: one is drafted while the other is verified"
+        False,
+        "keep two micro-batches in flight, one drafted while the other is verified: pays "
+        "when drafters have their own device and drafting costs about what verifying does; "
+        "on shared CPU cores it costs a forward pass per lane (benchmarks/bench_services.py)",
     )
     draft_timeout: float = option(5.0, "seconds to wait for a drafter's trees")
 
