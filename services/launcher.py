@@ -169,7 +169,8 @@ class Launcher:
         }
         # Processes share the cores: all but decode (the critical path) wait for OpenMP
         # work passively, so their idle threads do not spin on decode's cores; decode
-        # yields to the others, whose work is short (or, for prefill, grows its batch).
+        # yields to the others: their per-step work is short, and a prefill that runs
+        # first brings its requests into decode's batch sooner.
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for kind, count in counts.items():
             for i in range(count):
