@@ -80,7 +80,8 @@ def over_http(
     return sum(n for _, n in results) / seconds, [text for text, _ in results]
 
 
-SETUPS = ("in-process", "services overlap", "services no-overlap")
+SERVICES = {"services overlap": "--overlap", "services no-overlap": "--no-overlap"}
+SETUPS = ("in-process", *SERVICES)
 
 
 def run_in_process(
@@ -119,8 +120,7 @@ def main() -> None:
             rate, outputs = run_in_process(model, args.algorithm, ids, args.new_tokens, c)
             rates.setdefault(("in-process", c), []).append(rate)
             expected = [tok.decode(o) for o in outputs]
-            for name in SETUPS[1:]:
-                flag = "--" + name.split()[1]
+            for name, flag in SERVICES.items():
                 rate, texts = run_services(model, [*up, flag], prompts, args.new_tokens, c)
                 rates.setdefault((name, c), []).append(rate)
                 if texts != expected:
@@ -136,7 +136,7 @@ def main() -> None:
     for name in SETUPS:
         medians = (statistics.median(rates[(name, c)]) for c in CONCURRENCY)
         print(f"{name:<22}" + "".join(f"{m:>12.1f}" for m in medians))
-    for name in SETUPS[1:]:
+    for name in SERVICES:
         # Ratios within each run (the setups ran back to back), then their median.
         ratios = (
             statistics.median(

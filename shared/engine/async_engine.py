@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from shared.engine.engine import FirstToken, LLMEngine, TokenOutput
 from shared.engine.sequence import RemotePrefix
@@ -21,7 +21,8 @@ from shared.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-_Queue = asyncio.Queue[list[TokenOutput] | Exception]
+_Item = list[TokenOutput] | Exception  # a step's tokens for a request, or its failure
+_Queue = asyncio.Queue[_Item]
 _Stream = tuple[asyncio.AbstractEventLoop, _Queue]
 
 
@@ -96,11 +97,8 @@ class AsyncEngine:
         if outputs:
             self._deliver(request_id, outputs)
 
-    def _deliver(self, request_id: str, item: list[TokenOutput] | Exception) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, queue = stream
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+    def _deliver(self, request_id: str, item: _Item) -> None:
+        self._deliver_step({request_id: item})
 
     def run(self) -> None:
         """The step loop, until shutdown()."""
@@ -129,10 +127,10 @@ class AsyncEngine:
                 by_request.setdefault(out.request_id, []).append(out)
             self._deliver_step(by_request)
 
-    def _deliver_step(self, by_request: dict[str, list[TokenOutput]]) -> None:
+    def _deliver_step(self, by_request: Mapping[str, _Item]) -> None:
         """A step's outputs, with one wake-up of each event loop (not one per request),
         so its consumers see the whole step in one turn."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Queue, list[TokenOutput]]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Queue, _Item]]] = {}
         for request_id, items in by_request.items():
             stream = self._streams.get(request_id)
             if stream is not None:
@@ -141,6 +139,6 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_put_all, puts)
 
 
-def _put_all(puts: list[tuple[_Queue, list[TokenOutput]]]) -> None:
+def _put_all(puts: list[tuple[_Queue, _Item]]) -> None:
     for queue, items in puts:
         queue.put_nowait(items)
