@@ -247,17 +247,9 @@ def encode(msg: Any) -> bytes:
     if _MESSAGES.get(name) is not type(msg):
         raise ProtocolError(f"{name} is not a protocol message")
     try:
-        return msgpack.packb({"v": PROTOCOL_VERSION, "t": name, "f": _fields(msg)})
+        return msgpack.packb({"v": PROTOCOL_VERSION, "t": name, "f": _pack(type(msg))(msg)})
     except (OverflowError, TypeError, ValueError) as exc:  # e.g. an int beyond 64 bits
         raise ProtocolError(f"cannot encode {name}: {exc}") from exc
-
-
-def _fields(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _fields(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, (list, tuple)):
-        return [_fields(v) for v in obj]
-    return obj
 
 
 def decode(data: bytes, expect: type[M] | None = None) -> M:
@@ -272,7 +264,10 @@ def decode(data: bytes, expect: type[M] | None = None) -> M:
     cls = _MESSAGES.get(name)
     if cls is None:
         raise ProtocolError(f"unknown message type {name!r}")
-    msg = _build(cls, values)
+    try:
+        msg = _unpack(cls)(values)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ProtocolError(f"bad {name}: {exc}") from exc
     if expect is not None and not isinstance(msg, expect):
         if isinstance(msg, ErrorReply):
             raise RemoteError(msg.message, msg.status)
@@ -288,34 +283,52 @@ class RemoteError(RuntimeError):
         self.status = status
 
 
+# Converters between dataclasses and what msgpack carries, made once per type from
+# its hints: a value that needs none (numbers, strings, lists of them) is passed
+# through as is, which is most of a step's tokens.
+_Convert = typing.Callable[[Any], Any]
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _fields_of(cls: type) -> list[tuple[str, Any]]:
+    hints = typing.get_type_hints(cls)
+    return [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
+
+
+def _optional(convert: _Convert) -> _Convert:
+    return lambda value: None if value is None else convert(value)
+
+
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _build(cls: type, values: dict[str, Any]) -> Any:
-    hints = _hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name in values:
-            kwargs[f.name] = _convert(hints[f.name], values[f.name])
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:
-        raise ProtocolError(f"bad {cls.__name__}: {exc}") from exc
-
-
-def _convert(kind: Any, value: Any) -> Any:
-    """Rebuild nested dataclasses and tuples that msgpack turned into maps and lists."""
-    if value is None:
-        return None
+def _pack(kind: Any) -> _Convert:
+    """Dataclasses (nested too) to field maps."""
     if isinstance(kind, types.UnionType):
         kind = next(a for a in typing.get_args(kind) if a is not type(None))
-    if kind in _NESTED:
-        return _build(kind, value)
+    if dataclasses.is_dataclass(kind):
+        fields = [(name, _pack(hint)) for name, hint in _fields_of(kind)]
+        return _optional(lambda obj: {name: pack(getattr(obj, name)) for name, pack in fields})
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) is list and args and _pack(args[0]) is not _identity:
+        item = _pack(args[0])
+        return _optional(lambda value: [item(v) for v in value])
+    return _identity
+
+
+@functools.cache
+def _unpack(kind: Any) -> _Convert:
+    """Field maps back to dataclasses, and lists back to tuples, as the hints say."""
+    if isinstance(kind, types.UnionType):
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    if kind in _NESTED or kind in _MESSAGES.values():
+        fields = [(name, _unpack(hint)) for name, hint in _fields_of(kind)]
+        return _optional(lambda values: kind(**{n: u(values[n]) for n, u in fields if n in values}))
     origin, args = typing.get_origin(kind), typing.get_args(kind)
-    if origin is list and args:
-        return [_convert(args[0], v) for v in value]
     if origin is tuple:
-        return tuple(value)
-    return value
+        return _optional(tuple)
+    if origin is list and args and _unpack(args[0]) is not _identity:
+        item = _unpack(args[0])
+        return _optional(lambda value: [item(v) for v in value])
+    return _identity

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import queue
 import signal
 import socket
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -99,6 +99,7 @@ class Service:
         self.bus: Bus
         self._main_queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple, Future] | None]
         self._main_queue = queue.SimpleQueue()
+        self._io_loop: asyncio.AbstractEventLoop | None = None  # set once it runs
 
     async def start(self) -> None:
         """Subscribe handlers (self.bus is connected)."""
@@ -131,6 +132,13 @@ class Service:
     def stop_main_loop(self) -> None:
         self._main_queue.put(None)
 
+    def _request_stop(self) -> None:
+        """On the main thread (a signal, or its loop ended): stop, waking the io loop."""
+        self._stopping.set()
+        if self._io_loop is not None:
+            with contextlib.suppress(RuntimeError):  # the io loop has already closed
+                self._io_loop.call_soon_threadsafe(self._io_stop.set)
+
     def serve(self) -> None:
         """Run the service: asyncio on an io thread, `main_loop` here, until a signal."""
         failure: list[BaseException] = []
@@ -145,14 +153,14 @@ class Service:
 
         self._stopping = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self._stopping.set())
+            signal.signal(sig, lambda *_: self._request_stop())
         # A daemon, so a stuck shutdown cannot keep the process alive past the join.
         thread = threading.Thread(target=io, name="io", daemon=True)
         thread.start()
         try:
             self.main_loop()
         finally:  # a crashed main loop stops the service too, instead of leaving it half-alive
-            self._stopping.set()
+            self._request_stop()
             thread.join(SHUTDOWN_TIMEOUT_S)
         if failure:
             raise failure[0]
@@ -166,13 +174,13 @@ class Service:
         self._serving = True
         log.info("%s ready", self.instance_id)
         subject = HEARTBEAT.format(kind=self.kind)
-        interval = self.cfg.heartbeat_interval
-        next_beat = 0.0
-        while not self._stopping.is_set():  # set by a signal on the main thread
-            if time.monotonic() >= next_beat:
-                await self.bus.publish(subject, self.heartbeat())
-                next_beat = time.monotonic() + interval
-            await asyncio.sleep(min(0.1, interval))
+        self._io_stop = asyncio.Event()
+        self._io_loop = asyncio.get_running_loop()
+        # Asleep between heartbeats: idle wake-ups take the cores from decode's forwards.
+        while not self._stopping.is_set():
+            await self.bus.publish(subject, self.heartbeat())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._io_stop.wait(), self.cfg.heartbeat_interval)
         self._serving = False
         goodbye = self.heartbeat()
         goodbye.leaving = True

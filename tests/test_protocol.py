@@ -64,6 +64,12 @@ def test_defaults_fill_fields_an_older_peer_did_not_send() -> None:
         (msgpack.packb({"v": PROTOCOL_VERSION + 1, "t": "Abort", "f": {}}), "version"),
         (msgpack.packb({"v": PROTOCOL_VERSION, "t": "os.system", "f": {}}), "unknown message"),
         (msgpack.packb({"v": PROTOCOL_VERSION, "t": "Abort", "f": {}}), "bad Abort"),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "t": "Abort", "f": 7}), "bad Abort"),
+        # a nested message that is not a field map
+        (
+            msgpack.packb({"v": PROTOCOL_VERSION, "t": "TokenBatches", "f": {"batches": [5]}}),
+            "bad TokenBatches",
+        ),
     ],
 )
 def test_bad_messages_are_rejected(raw: bytes, message: str) -> None:

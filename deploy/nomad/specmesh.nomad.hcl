@@ -135,7 +135,6 @@ job "specmesh" {
         SPECMESH_HOST               = "0.0.0.0"
         SPECMESH_PORT               = "8000"
         OTEL_EXPORTER_OTLP_ENDPOINT = var.otlp_endpoint
-        OMP_WAIT_POLICY             = "PASSIVE"
       }
 
       template {
@@ -211,7 +210,6 @@ job "specmesh" {
         SPECMESH_METRICS_HOST       = "0.0.0.0"
         SPECMESH_METRICS_PORT       = "9100"
         OTEL_EXPORTER_OTLP_ENDPOINT = var.otlp_endpoint
-        OMP_WAIT_POLICY             = "PASSIVE"
       }
 
       template {
@@ -290,7 +288,6 @@ job "specmesh" {
         SPECMESH_METRICS_HOST        = "0.0.0.0"
         SPECMESH_METRICS_PORT        = "9100"
         OTEL_EXPORTER_OTLP_ENDPOINT  = var.otlp_endpoint
-        OMP_WAIT_POLICY              = "PASSIVE"
       }
 
       template {
@@ -464,7 +461,6 @@ job "specmesh" {
         SPECMESH_METRICS_HOST          = "0.0.0.0"
         SPECMESH_METRICS_PORT          = "9100"
         OTEL_EXPORTER_OTLP_ENDPOINT    = var.otlp_endpoint
-        OMP_WAIT_POLICY                = "PASSIVE"
       }
 
       template {

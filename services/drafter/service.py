@@ -2,14 +2,17 @@
 
 Decode workers address an instance directly; its messages (open, close, draft
 step) are handled one at a time in arrival order, so a request's state always
-sees its tokens in order. Drafting runs on the main thread, off the event
-loop, so heartbeats go on while a draft model computes.
+sees its tokens in order. A draft model runs on the main thread, off the event
+loop, so heartbeats go on while it computes; NGRAM's trie lookups take less
+time than the hop there and back, so they run on the event loop.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -34,6 +37,8 @@ from shared.speculative.config import SpeculativeConfig
 from shared.speculative.drafter import DraftRequest, make_drafter
 from shared.telemetry import ACTIVE_REQUESTS, DRAFT_SECONDS
 
+T = TypeVar("T")
+
 
 @dataclass
 class DrafterConfig:
@@ -57,6 +62,7 @@ class DrafterService(Service):
             target = load_model(str(resolve_model(dcfg.model)), self.device, self.dtype)
         self.drafter = make_drafter(self.spec, target)
         self.open_requests: set[str] = set()
+        self.on_io_thread = target is None
 
     async def start(self) -> None:
         await self.bus.serve(drafter_subject(self.instance_id), self.handle)
@@ -72,20 +78,23 @@ class DrafterService(Service):
             algorithm=self.spec.speculative_algorithm,
         )
 
+    async def _on_draft_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Draft state changes on one thread only, one call at a time."""
+        return fn(*args) if self.on_io_thread else await self.on_main(fn, *args)
+
     async def handle(self, msg: DraftOpen | DraftClose | DraftStep) -> DraftReply | None:
-        # Draft state changes only on the main thread, one call at a time.
         if isinstance(msg, DraftOpen):
-            await self.on_main(self.drafter.open, msg.request_id, msg.token_ids)
+            await self._on_draft_thread(self.drafter.open, msg.request_id, msg.token_ids)
             self.open_requests.add(msg.request_id)
         elif isinstance(msg, DraftClose):
-            await self.on_main(self._close, msg.request_id)
+            await self._on_draft_thread(self._close, msg.request_id)
         elif isinstance(msg, DraftStep):
             unknown = [i.request_id for i in msg.items if i.request_id not in self.open_requests]
             if unknown:
                 raise ValueError(f"draft step for requests never opened here: {unknown}")
             start = time.perf_counter()
             requests = [self._request(item) for item in msg.items]
-            trees = await self.on_main(self.drafter.propose, requests)
+            trees = await self._on_draft_thread(self.drafter.propose, requests)
             DRAFT_SECONDS.observe(time.perf_counter() - start)
             return DraftReply([DraftTreeMsg(t.tokens, t.parents) for t in trees])
         else:
@@ -94,7 +103,7 @@ class DrafterService(Service):
 
     async def abort(self, msg: Abort) -> None:
         """A request ended without its decode worker closing it (the worker died)."""
-        await self.on_main(self._close, msg.request_id)
+        await self._on_draft_thread(self._close, msg.request_id)
 
     def _close(self, request_id: str) -> None:
         if request_id in self.open_requests:
