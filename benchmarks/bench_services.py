@@ -1,6 +1,6 @@
 """The disaggregation tax: the five-service pipeline vs the in-process engine, one run.
 
-    python benchmarks/bench_services.py [--model DIR] [--new-tokens 64] [--runs 3]
+    python benchmarks/bench_services.py [--model DIR] [--new-tokens 64] [--runs 5]
         [--algorithm NGRAM] [--kv-transport shm]
 
 Same prompts (bench_speculative's rewrite set), same algorithm, greedy, every
@@ -105,7 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=5)  # runs differ by up to ~15% here
     parser.add_argument("--algorithm", default="NGRAM")
     parser.add_argument("--kv-transport", default="shm", choices=["shm", "redis"])
     args = parser.parse_args()
@@ -132,10 +132,11 @@ def main() -> None:
         f"\n{args.algorithm}, {len(prompts)} prompts, {args.new_tokens} tokens, greedy, "
         f"{args.kv_transport} transport; median of {args.runs} runs, each from a fresh start"
     )
-    print(f"{'tok/s':<22}" + "".join(f"{'c=' + str(c):>12}" for c in CONCURRENCY))
+    label = max(map(len, SERVICES)) + len(" / in-proc") + 2  # the widest row name
+    print(f"{'tok/s':<{label}}" + "".join(f"{'c=' + str(c):>12}" for c in CONCURRENCY))
     for name in SETUPS:
         medians = (statistics.median(rates[(name, c)]) for c in CONCURRENCY)
-        print(f"{name:<22}" + "".join(f"{m:>12.1f}" for m in medians))
+        print(f"{name:<{label}}" + "".join(f"{m:>12.1f}" for m in medians))
     for name in SERVICES:
         # Ratios within each run (the setups ran back to back), then their median.
         ratios = (
@@ -144,7 +145,7 @@ def main() -> None:
             )
             for c in CONCURRENCY
         )
-        print(f"{name + ' / in-proc':<22}" + "".join(f"{r:>11.2f}x" for r in ratios))
+        print(f"{name + ' / in-proc':<{label}}" + "".join(f"{r:>11.2f}x" for r in ratios))
 
 
 if __name__ == "__main__":
