@@ -302,33 +302,39 @@ def _optional(convert: _Convert) -> _Convert:
     return lambda value: None if value is None else convert(value)
 
 
+def _not_none(kind: Any) -> Any:
+    """X for `X | None`."""
+    if isinstance(kind, types.UnionType):
+        return next(a for a in typing.get_args(kind) if a is not type(None))
+    return kind
+
+
+def _each(kind: Any, converter: typing.Callable[[Any], _Convert]) -> _Convert:
+    """For `list[X]`: X's converter over the items (none if X needs none)."""
+    args = typing.get_args(kind)
+    item = converter(args[0]) if typing.get_origin(kind) is list and args else _identity
+    if item is _identity:
+        return _identity
+    return _optional(lambda value: [item(v) for v in value])
+
+
 @functools.cache
 def _pack(kind: Any) -> _Convert:
     """Dataclasses (nested too) to field maps."""
-    if isinstance(kind, types.UnionType):
-        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    kind = _not_none(kind)
     if dataclasses.is_dataclass(kind):
         fields = [(name, _pack(hint)) for name, hint in _fields_of(kind)]
         return _optional(lambda obj: {name: pack(getattr(obj, name)) for name, pack in fields})
-    args = typing.get_args(kind)
-    if typing.get_origin(kind) is list and args and _pack(args[0]) is not _identity:
-        item = _pack(args[0])
-        return _optional(lambda value: [item(v) for v in value])
-    return _identity
+    return _each(kind, _pack)
 
 
 @functools.cache
 def _unpack(kind: Any) -> _Convert:
     """Field maps back to dataclasses, and lists back to tuples, as the hints say."""
-    if isinstance(kind, types.UnionType):
-        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    kind = _not_none(kind)
     if kind in _NESTED or kind in _MESSAGES.values():
         fields = [(name, _unpack(hint)) for name, hint in _fields_of(kind)]
         return _optional(lambda values: kind(**{n: u(values[n]) for n, u in fields if n in values}))
-    origin, args = typing.get_origin(kind), typing.get_args(kind)
-    if origin is tuple:
+    if typing.get_origin(kind) is tuple:
         return _optional(tuple)
-    if origin is list and args and _unpack(args[0]) is not _identity:
-        item = _unpack(args[0])
-        return _optional(lambda value: [item(v) for v in value])
-    return _identity
+    return _each(kind, _unpack)
