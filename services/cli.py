@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from services.decode.service import DecodeConfig
 from services.gateway.config import GatewayConfig
@@ -27,12 +28,17 @@ _UP_CONFIGS = {
 
 
 def _up(args: argparse.Namespace) -> None:
+    from shared.model.config import ModelConfig
     from shared.model.fetch import resolve_model
+    from shared.speculative.drafter import drafter_target_features
 
     configs = Configs(**{name: dataclass_from_args(cls, args) for name, cls in _UP_CONFIGS.items()})
-    if configs.spec.enabled:
-        configs.spec.resolved()  # a bad combination fails before anything starts
     configs.engine.model = str(resolve_model(configs.engine.model))  # fetch once, not per service
+    if configs.spec.enabled:  # a bad combination or draft head fails before anything starts
+        spec = configs.spec.resolved(configs.engine.model)
+        drafter_target_features(
+            spec, ModelConfig.from_file(Path(configs.engine.model) / "config.json")
+        )
     configs.__post_init__()
     sys.exit(Launcher(configs).run())
 
@@ -44,6 +50,12 @@ def _fetch_model(args: argparse.Namespace) -> None:
         print(fetch_default_model(args.dest))
     except ModelFetchError as exc:
         sys.exit(f"specmesh fetch-model: {exc}")
+
+
+def _train_draft(args: argparse.Namespace) -> None:
+    from shared.training.train_draft import TrainDraftConfig, train_draft
+
+    print(train_draft(dataclass_from_args(TrainDraftConfig, args)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,6 +70,14 @@ def main(argv: list[str] | None = None) -> None:
     fetch = commands.add_parser("fetch-model", help="fetch and convert the default model")
     fetch.add_argument("--dest", default=None, help="directory (default: the specmesh cache)")
     fetch.set_defaults(run=_fetch_model)
+
+    train = commands.add_parser(
+        "train-draft", help="train a draft head for a target (self-distilled data, EAGLE-3 TTT)"
+    )
+    from shared.training.train_draft import TrainDraftConfig
+
+    add_dataclass_args(train, TrainDraftConfig)
+    train.set_defaults(run=_train_draft)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parser.parse_args(argv)

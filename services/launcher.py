@@ -69,7 +69,7 @@ class Configs:
     def service_configs(self, kind: str) -> list[Any]:
         own = {
             "tokenizer": [self.tokenizer],
-            "prefill": [self.engine, self.transport],
+            "prefill": [self.engine, self.spec, self.transport],
             "decode": [self.engine, self.spec, self.transport, self.decode],
             "drafter": [self.drafter, self.spec],
             "gateway": [self.gateway],

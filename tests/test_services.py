@@ -29,11 +29,12 @@ from deployment import (
     streamed_text,
 )
 from otlp_receiver import OtlpReceiver
-from test_speculative import tiny_llama, write_eagle_head
+from test_speculative import tiny_llama
 
 from shared.engine.engine import EngineConfig, LLMEngine
 from shared.infra import ServerProcess, start_nats, start_valkey
 from shared.sampling.params import SamplingParams
+from shared.speculative.config import SpeculativeConfig
 from shared.tokenizer import Tokenizer
 
 PROMPTS = [
@@ -105,10 +106,10 @@ def standalone(
 
 
 @pytest.fixture(scope="module")
-def eagle3(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """EAGLE-3 (a random head): target features travel with each draft step."""
-    head = write_eagle_head(tmp_path_factory.mktemp("eagle3"), eagle3=True)
-    args = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", head]
+def eagle3(smollm_dir: Path) -> Iterator[str]:
+    """EAGLE-3 with the head that ships for the default model: the prompt's target features
+    travel from prefill with its K/V, then with each draft step."""
+    args = ["--speculative-algorithm", "EAGLE3"]
     with start_nats() as bus, specmesh_up(smollm_dir, "--nats-url", bus.url, *args) as url:
         yield url
 
@@ -220,6 +221,23 @@ def test_eagle3_over_the_services_is_lossless(eagle3: str, reference: dict[str, 
         assert chat_text(eagle3, prompt, **GREEDY) == reference[prompt]
     state = httpx.get(f"{eagle3}/get_server_info").json()["internal_states"][0]
     assert state["speculative_algorithm"] == "EAGLE3" and state["spec_draft_tokens"] > 0
+
+
+def test_prompt_features_reach_the_drafter(eagle3: str, smollm_dir: Path) -> None:
+    """The head is warm at the first decode step over the services as in one process:
+    the same verify steps and accepted drafts over each request's first 16 tokens."""
+    tok = Tokenizer(smollm_dir)
+    spec = SpeculativeConfig(speculative_algorithm="EAGLE3")
+    engine = LLMEngine(EngineConfig(model=str(smollm_dir), kv_cache_gb=0.25), spec)
+    stats = engine.speculator.stats
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    for prompt in PROMPTS[1:5]:
+        steps, accepted = stats.steps, stats.accepted_tokens
+        engine.generate([tok.encode_chat([{"role": "user", "content": prompt}])], params)
+        local = (stats.steps - steps, stats.accepted_tokens - accepted)
+        body = chat(eagle3, prompt, temperature=0, max_tokens=16).json()
+        remote = body["metrics"]["speculative_decoding"]
+        assert (remote["num_spec_steps"], remote["num_accepted_draft_tokens"]) == local, prompt
 
 
 def _start_instance(kind: str, nats_url: str, instance: str, *args: str) -> subprocess.Popen:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from shared.engine.engine import EngineConfig, LLMEngine
+from shared.engine.speculation import StepCosts, best_budget
 from shared.sampling.params import SamplingParams
 from shared.sampling.sampler import draw, position_generator
 from shared.speculative.accept import accept_sampling
@@ -169,8 +170,10 @@ def test_target_as_its_own_draft_accepts_everything(
     assert [o[: len(r)] for o, r in zip(outputs, reference, strict=False)] == reference[:3]
 
 
-def exact_joint(model_dir: str, prompt: list[int], steps: int) -> dict[tuple[int, ...], float]:
-    """The target's exact probability of every continuation of `steps` tokens (temperature 1)."""
+def exact_joint(
+    model_dir: str | Path, prompt: list[int], steps: int, temperature: float = 1.0, top_k: int = 0
+) -> dict[tuple[int, ...], float]:
+    """The target's exact probability of every continuation of `steps` tokens."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -179,11 +182,14 @@ def exact_joint(model_dir: str, prompt: list[int], steps: int) -> dict[tuple[int
         seqs = list(dist)
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + list(s) for s in seqs])).logits[:, -1]
+        logits = logits / temperature
+        if top_k:
+            logits[logits < logits.topk(top_k).values[:, -1:]] = float("-inf")
         probs = logits.softmax(-1)
         dist = {
             (*s, t): dist[s] * probs[i, t].item()
             for i, s in enumerate(seqs)
-            for t in range(probs.shape[1])
+            for t in probs[i].nonzero()[:, 0].tolist()
         }
     return dist
 
@@ -248,6 +254,22 @@ def test_speculative_sampling_matches_the_target_distribution(
         assert stat < bound, (stat, dof)
     else:  # the same test catches a rule that does not preserve the distribution
         assert stat > bound, (stat, dof)
+
+
+def test_eagle3_sampling_with_the_trained_head_keeps_the_distribution(
+    smollm_dir: Path, prompt_ids: list[list[int]]
+) -> None:
+    """Temperature 0.7 (top-k 4, so the joint of three tokens is enumerable) with the head
+    that ships for SmolLM2: the draws follow the target's distribution."""
+    engine = spec_engine(smollm_dir, speculative_algorithm="EAGLE3")
+    prompt, n = prompt_ids[1], 2000
+    params = [SamplingParams(temperature=0.7, top_k=4, max_tokens=3, seed=i) for i in range(n)]
+    samples: list[tuple[int, ...]] = []
+    for i in range(0, n, 250):
+        samples += [tuple(o) for o in engine.generate([prompt] * 250, params[i : i + 250])]
+    assert engine.speculator.stats.accepted_tokens > n / 4  # the head's drafts are taken
+    stat, dof = chi_square(Counter(samples), exact_joint(smollm_dir, prompt, 3, 0.7, 4), n)
+    assert stat < dof + 4.5 * (2 * dof) ** 0.5, (stat, dof)
 
 
 def _wrong_accept(tree: DraftTree, probs: torch.Tensor, seed: int) -> list[int]:
@@ -333,11 +355,14 @@ def test_lossy_thresholds_accept_more_and_stay_seeded() -> None:
             {"speculative_algorithm": "NGRAM", "speculative_accept_threshold_acc": 0.0},
             "threshold",
         ),
+        ({"speculative_algorithm": "NGRAM", "speculative_token_map": "x.json"}, "NGRAM has"),
+        ({"speculative_algorithm": "EAGLE3"}, "ships trained heads for SmolLM2"),
     ],
 )
 def test_invalid_option_combinations_fail_clearly(spec: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        SpeculativeConfig(**spec).resolved()  # type: ignore[arg-type]
+        # a model other than the default one: no shipped head to fall back on
+        SpeculativeConfig(**spec).resolved("/models/Llama-3.1-8B")  # type: ignore[arg-type]
 
 
 def test_unset_tree_options_are_chosen_automatically() -> None:
@@ -367,6 +392,22 @@ def test_token_map_restricts_drafts_and_stays_lossless(
     drafter.open("probe", prompt_ids[5])
     tree = drafter.propose([DraftRequest("probe", [], 4)])[0]
     assert len(tree) == 5 and set(tree.tokens[1:]) <= set(keep)
+
+
+def test_token_map_restricts_an_eagle3_heads_vocabulary(
+    smollm_dir: Path, tmp_path: Path, prompt_ids: list[list[int]], reference: list[list[int]]
+) -> None:
+    keep = sorted({t for r in reference[:3] for t in r} | set(range(1000)))
+    token_map = tmp_path / "hot_tokens.json"
+    token_map.write_text(json.dumps(keep))
+    engine = spec_engine(
+        smollm_dir, speculative_algorithm="EAGLE3", speculative_token_map=str(token_map)
+    )
+    assert [engine.generate([ids], GREEDY)[0] for ids in prompt_ids[:3]] == reference[:3]
+    assert engine.speculator.stats.accepted_tokens > 0  # the shipped head, restricted
+    drafter = engine.speculator.drafter
+    assert set(drafter.vocab_ids.tolist()) <= set(keep)
+    assert len(drafter.lm_rows) == len(drafter.vocab_ids) < len(drafter.head.d2t)
 
 
 def write_eagle_head(path: Path, eagle3: bool, seed: int = 0) -> str:
@@ -448,3 +489,12 @@ def test_eagle_heads_load_from_published_layouts_and_are_lossless(
     for i in range(0, len(prompt_ids), 8):
         assert engine.generate(prompt_ids[i : i + 8], GREEDY) == reference[i : i + 8]
     assert stats.draft_tokens >= stats.steps
+
+
+def test_draft_budgets_follow_measured_costs_and_acceptance() -> None:
+    flat = StepCosts(verify=[1.0] * 9)
+    steep = StepCosts(verify=[1.0 + 0.5 * k for k in range(9)])
+    assert best_budget(0.9, flat, 8) == 8  # verification is free: draft all allowed
+    assert best_budget(0.2, steep, 8) == 1  # costly and rarely accepted: one draft
+    assert 1 < best_budget(0.8, steep, 8) < 8
+    assert best_budget(0.9, StepCosts(verify=[1.0] * 9, draft=0.5), 8) < 8  # drafting costs

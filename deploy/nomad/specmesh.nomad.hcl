@@ -49,6 +49,12 @@ variable "speculative_algorithm" {
   default = "NGRAM"
 }
 
+variable "speculative_draft_model_path" {
+  type        = string
+  default     = ""
+  description = "draft model or EAGLE head under /models; empty: the head shipped for the default model"
+}
+
 variable "gateway_count" {
   type    = number
   default = 1
@@ -285,6 +291,8 @@ job "specmesh" {
         SPECMESH_KV_TRANSPORT        = "redis"
         SPECMESH_REDIS_URL           = var.redis_url
         SPECMESH_REDIS_PASSWORD_FILE = "${NOMAD_SECRETS_DIR}/redis_password"
+        SPECMESH_SPECULATIVE_ALGORITHM        = var.speculative_algorithm
+        SPECMESH_SPECULATIVE_DRAFT_MODEL_PATH = var.speculative_draft_model_path
         SPECMESH_METRICS_HOST        = "0.0.0.0"
         SPECMESH_METRICS_PORT        = "9100"
         OTEL_EXPORTER_OTLP_ENDPOINT  = var.otlp_endpoint
@@ -370,6 +378,7 @@ job "specmesh" {
         SPECMESH_REDIS_URL             = var.redis_url
         SPECMESH_REDIS_PASSWORD_FILE   = "${NOMAD_SECRETS_DIR}/redis_password"
         SPECMESH_SPECULATIVE_ALGORITHM = var.speculative_algorithm
+        SPECMESH_SPECULATIVE_DRAFT_MODEL_PATH = var.speculative_draft_model_path
         SPECMESH_DEVICE                = "cuda"
         SPECMESH_METRICS_HOST          = "0.0.0.0"
         SPECMESH_METRICS_PORT          = "9100"
@@ -457,6 +466,7 @@ job "specmesh" {
         SPECMESH_NATS_USER             = "specmesh"
         SPECMESH_NATS_PASSWORD_FILE    = "${NOMAD_SECRETS_DIR}/nats_password"
         SPECMESH_SPECULATIVE_ALGORITHM = var.speculative_algorithm
+        SPECMESH_SPECULATIVE_DRAFT_MODEL_PATH = var.speculative_draft_model_path
         SPECMESH_DEVICE                = "cuda"
         SPECMESH_METRICS_HOST          = "0.0.0.0"
         SPECMESH_METRICS_PORT          = "9100"

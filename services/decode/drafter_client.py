@@ -25,17 +25,20 @@ from shared.protocol import (
     DraftTreeMsg,
     drafter_subject,
 )
-from shared.speculative.drafter import DraftRequest, target_feature_layers
+from shared.speculative.drafter import DraftRequest
 from shared.speculative.tree import DraftTree
 
 log = logging.getLogger(__name__)
 
 
 class DrafterClient:
-    def __init__(self, algorithm: str, num_layers: int, vocab_size: int, timeout_s: float) -> None:
+    def __init__(
+        self, target_features: tuple[tuple[int, ...], bool], vocab_size: int, timeout_s: float
+    ) -> None:
+        """`target_features`: the target layers the drafters' heads read (Drafter's)."""
         self.bus: Bus
         self.loop: asyncio.AbstractEventLoop
-        self.target_features = target_feature_layers(algorithm, num_layers)
+        self.target_features = target_features
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.drafter_of: dict[str, str] = {}  # request id -> drafter instance

@@ -40,6 +40,7 @@ from shared.protocol import (
 )
 from shared.service import EngineService, ServiceConfig
 from shared.speculative.config import SpeculativeConfig
+from shared.speculative.drafter import drafter_target_features
 from shared.speculative.tree import DraftTree
 from shared.telemetry import (
     ACTIVE_REQUESTS,
@@ -91,17 +92,16 @@ class DecodeService(EngineService):
         dcfg: DecodeConfig,
     ) -> None:
         super().__init__(cfg)
-        self.spec = spec.resolved() if spec.enabled else None
         ecfg.model = str(resolve_model(ecfg.model))
+        self.spec = spec.resolved(ecfg.model) if spec.enabled else None
         self.transport = tcfg.open()
         self.streams: dict[str, asyncio.Task[None]] = {}
         self.outbox: Outbox  # once the bus is connected
         self.client: DrafterClient | None = None
         if self.spec is not None:
             mcfg = ModelConfig.from_file(Path(ecfg.model) / "config.json")
-            algorithm = self.spec.speculative_algorithm
             self.client = DrafterClient(
-                algorithm, mcfg.num_layers, mcfg.vocab_size, dcfg.draft_timeout
+                drafter_target_features(self.spec, mcfg), mcfg.vocab_size, dcfg.draft_timeout
             )
         self.engine = DecodeEngine(ecfg, self.spec, self.client, dcfg.overlap)
         fingerprint = model_fingerprint(self.engine.model, ecfg.block_size)

@@ -54,7 +54,7 @@ class DrafterService(Service):
         super().__init__(cfg)
         if not spec.enabled:
             raise ValueError("a drafter needs --speculative-algorithm")
-        self.spec = spec.resolved()
+        self.spec = spec.resolved(dcfg.model)
         self.device = resolve_device(dcfg.device)
         self.dtype = resolve_dtype(dcfg.dtype, self.device)
         target = None

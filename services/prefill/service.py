@@ -12,15 +12,21 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from pathlib import Path
+
+import torch
 
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import EngineConfig, LLMEngine
 from shared.engine.sequence import RemotePrefix, Sequence
 from shared.engine.speculation import SpecStats
-from shared.kvcache.exchange import KVExchange, model_fingerprint
+from shared.kvcache.exchange import KVExchange, feature_tag, model_fingerprint
+from shared.model.config import ModelConfig
 from shared.model.fetch import resolve_model
 from shared.protocol import PREFILL, Heartbeat, PrefillReply, PrefillRequest, RemoteError
 from shared.service import EngineService, ServiceConfig
+from shared.speculative.config import SpeculativeConfig
+from shared.speculative.drafter import drafter_target_features
 from shared.telemetry import (
     ACTIVE_REQUESTS,
     KV_BLOCKS_FREE,
@@ -34,36 +40,72 @@ log = logging.getLogger(__name__)
 
 
 class PrefillEngine(LLMEngine):
-    """Stops every request at its first token and hands its prompt's K/V to the
-    transport before the blocks are freed."""
+    """Stops every request at its first token and hands its prompt's K/V (and, for EAGLE
+    drafters, the target features they read) to the transport before the blocks are freed."""
 
-    def __init__(self, cfg: EngineConfig, transport: KVTransport, ttl_s: float) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        transport: KVTransport,
+        ttl_s: float,
+        target_features: tuple[tuple[int, ...], bool] = ((), False),
+    ) -> None:
         super().__init__(cfg)
         fingerprint = model_fingerprint(self.model, cfg.block_size)
         self.kv_exchange = KVExchange(self.kv_cache, transport, fingerprint, ttl_s, "prefill")
         # request id -> its prompt's block keys, picked up by the service
         self.handoff: dict[str, list[str] | RemoteError] = {}
+        self.runner.feature_layers, self.runner.feature_normed = target_features
+        self.feature_tag = feature_tag(*target_features)
+        # request id -> (first position computed here, feature rows from there)
+        self.features: dict[str, tuple[int, list[torch.Tensor]]] = {}
+        self.feature_listeners.append(self._keep_features)
+
+    def _keep_features(self, seq: Sequence, rows: torch.Tensor, start: int) -> None:
+        first, kept = self.features.get(seq.request_id, (start, []))
+        if start != first + sum(len(r) for r in kept):  # recomputed after a preemption
+            first, kept = start, []
+        self.features[seq.request_id] = (first, [*kept, rows])
+
+    def _export(self, seq: Sequence, keys: list[str]) -> None:
+        self.kv_exchange.export(seq.block_table, keys)
+        start, rows = self.features.pop(seq.request_id, (0, []))
+        bs = self.block_manager.block_size
+        if rows and start % bs == 0:  # prefix reuse is whole blocks
+            self.kv_exchange.export_features(keys, self.feature_tag, torch.cat(rows), start // bs)
 
     def _finish(self, seq: Sequence) -> SpecStats | None:
         if seq.num_computed_tokens >= seq.num_prompt_tokens:
             keys = self.kv_exchange.keys(seq.prompt_ids)
             try:
-                self.kv_exchange.export(seq.block_table, keys)
+                self._export(seq, keys)
                 self.handoff[seq.request_id] = keys
             except Exception as exc:  # a transport failure fails this request, not the engine
                 log.exception("cannot store %s's K/V", seq.request_id)
                 self.handoff[seq.request_id] = RemoteError(f"KV transport failed: {exc}", 503)
+        self.features.pop(seq.request_id, None)
         return super()._finish(seq)
 
 
 class PrefillService(EngineService):
     kind = "prefill"
 
-    def __init__(self, cfg: ServiceConfig, ecfg: EngineConfig, tcfg: TransportConfig) -> None:
+    def __init__(
+        self,
+        cfg: ServiceConfig,
+        ecfg: EngineConfig,
+        spec: SpeculativeConfig,
+        tcfg: TransportConfig,
+    ) -> None:
+        """`spec`: the deployment's speculation, whose drafters may read target features."""
         super().__init__(cfg)
         ecfg.model = str(resolve_model(ecfg.model))
+        features: tuple[tuple[int, ...], bool] = ((), False)
+        if spec.enabled:
+            mcfg = ModelConfig.from_file(Path(ecfg.model) / "config.json")
+            features = drafter_target_features(spec.resolved(ecfg.model), mcfg)
         self.transport = tcfg.open()
-        self.engine = PrefillEngine(ecfg, self.transport, tcfg.kv_ttl)
+        self.engine = PrefillEngine(ecfg, self.transport, tcfg.kv_ttl, features)
         self.driver = AsyncEngine(self.engine, own_thread=False)
 
     async def start(self) -> None:

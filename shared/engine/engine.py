@@ -5,16 +5,19 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from shared.config import model_option, option, resolve_device, resolve_dtype
 from shared.engine.model_runner import ModelRunner
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import RemotePrefix, Sequence, SequenceStatus
-from shared.engine.speculation import PendingDrafts, SpecStats, Speculator
+from shared.engine.speculation import PendingDrafts, SpecStats, Speculator, StepCosts
 from shared.kvcache.block_manager import BlockManager
-from shared.kvcache.exchange import KVExchange
+from shared.kvcache.exchange import KVExchange, feature_tag
 from shared.kvcache.kv_cache import KVCache
 from shared.model.loader import load_model
 from shared.sampling.params import SamplingParams
@@ -111,11 +114,18 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.speculator: Speculator | None = None
+        # Called with (sequence, target features of the rows it computed this step, the first
+        # row's position) once `runner.feature_layers` is set: the EAGLE speculator, prefill's
+        # hand-over to decode, training-data capture.
+        self.feature_listeners: list[Callable[[Sequence, torch.Tensor, int], None]] = []
         if spec is not None and spec.enabled:
-            spec = spec.resolved()
+            spec = spec.resolved(cfg.model)
             drafter = drafter or make_drafter(spec, self.model)
             self.runner.feature_layers, self.runner.feature_normed = drafter.target_features
             self.speculator = Speculator(spec, drafter, self.kv_cache, self.block_manager)
+            self.feature_listeners.append(self.speculator.add_features)
+            if spec.speculative_adaptive:
+                self.speculator.costs = StepCosts(self._verify_seconds(self.speculator.max_drafts))
         self.sequences: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self.kv_exchange: KVExchange | None = None  # set where prompts arrive prefilled
@@ -123,6 +133,16 @@ class LLMEngine:
         self._next_lane = 0
         self._lane = 0
         self._pending: dict[int, tuple[list[tuple[Sequence, int]], PendingDrafts]] = {}
+
+    def _verify_seconds(self, most: int, context: int = 256) -> list[float]:
+        """The verify cost curve (ModelRunner.verify_seconds) over scratch blocks."""
+        context = max(0, min(context, self.max_model_len - most - 1))
+        probe = Sequence("verify-cost-probe", [0] * (context + most + 1), SamplingParams())
+        self.block_manager.allocate(probe)
+        try:
+            return self.runner.verify_seconds(probe.block_table, context, most)
+        finally:
+            self.block_manager.free(probe)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError with a user-facing message if the request cannot run."""
@@ -188,7 +208,10 @@ class LLMEngine:
         batch = self.scheduler.schedule(lane)
         for i, (seq, num) in enumerate(batch):
             remote, seq.remote_kv = seq.remote_kv, None  # a recompute after preemption computes
-            if remote is None or remote.num_tokens <= seq.num_computed_tokens:
+            if remote is None:
+                continue
+            self._load_features(seq, remote)
+            if remote.num_tokens <= seq.num_computed_tokens:
                 continue
             bs, computed_before = self.block_manager.block_size, seq.num_computed_tokens
             try:
@@ -200,6 +223,22 @@ class LLMEngine:
             self.block_manager.seal(seq, computed_before)
             batch[i] = (seq, min(num, seq.num_uncomputed))
         return batch
+
+    def _load_features(self, seq: Sequence, remote: RemotePrefix) -> None:
+        """Hand the prompt's target features stored beside its K/V to the feature listeners
+        (the drafter starts warm). Missing or unreachable: the drafter starts after them."""
+        if not self.runner.feature_layers:
+            return
+        tag = feature_tag(self.runner.feature_layers, self.runner.feature_normed)
+        try:
+            loaded = self.kv_exchange.load_features(remote.keys, tag)
+        except (ConnectionError, ValueError, RuntimeError) as exc:
+            log.warning("request %s: prompt features not loaded: %s", seq.request_id, exc)
+            return
+        if loaded is not None:
+            start, rows = loaded
+            for listener in self.feature_listeners:
+                listener(seq, rows.to(self.kv_cache.storage.device), start)
 
     def step(self) -> list[TokenOutput]:
         if self.overlap:
@@ -246,8 +285,8 @@ class LLMEngine:
                 computed_before = seq.num_computed_tokens
                 seq.num_computed_tokens += num
                 self.block_manager.seal(seq, computed_before)
-                if seq in result.features:
-                    self.speculator.add_features(seq, result.features[seq], computed_before)
+                for listener in self.feature_listeners if seq in result.features else ():
+                    listener(seq, result.features[seq], computed_before)
         outputs, out = [], result.samples
         for i, seq in enumerate(result.sampled):
             outputs += self._emit(seq, [out.token_ids[i]], out.logprobs[i], out.top_logprobs[i])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,25 @@ class ModelRunner:
         hidden, aux = self.model(ids, pos, self.kv_cache.layers, meta, aux_layers)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows]), aux
+
+    def verify_seconds(self, block_table: list[int], context: int, most: int) -> list[float]:
+        """Seconds of a forward of one sequence's root and k drafts (a chain) over `context`
+        cached tokens, k = 0..most (best of 3): the cost curve draft budgets follow."""
+        seconds = []
+        for k in range(most + 1):
+            n = k + 1
+            span = SequenceSpan(block_table, context, n)
+            args = ([span], [0] * n, list(range(context, context + n)), list(range(n)))
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                self.forward(*args)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - start)
+            # more tokens never cost less: a noisy sample must not make them look cheaper
+            seconds.append(max([best, *seconds[-1:]]))
+        return seconds
 
     def step(
         self, batch: list[tuple[Sequence, int]], trees: dict[Sequence, DraftTree]

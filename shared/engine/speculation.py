@@ -11,6 +11,7 @@ or logprobs decode without drafts.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -48,6 +49,29 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class StepCosts:
+    """What speculation costs, to choose draft budgets by: `verify[k]` seconds of a forward
+    that verifies k drafts of one sequence (k = 0: a plain decode step), measured when the
+    engine starts; `draft` seconds of drafting per draft token, measured as drafts arrive."""
+
+    verify: list[float]
+    draft: float = 0.0
+
+
+def best_budget(alpha: float, costs: StepCosts, most: int) -> int:
+    """The draft budget b <= most that maximises expected tokens per second when a draft
+    is accepted with probability `alpha` once its parent was: (1 + alpha + ... + alpha^b)
+    tokens for verify[b] + b * draft seconds."""
+    best, best_rate, tokens = 1, 0.0, 1.0
+    for b in range(1, min(most, len(costs.verify) - 1) + 1):
+        tokens += alpha**b
+        rate = tokens / (costs.verify[b] + b * costs.draft)
+        if rate > best_rate:
+            best, best_rate = b, rate
+    return best
+
+
+@dataclass
 class PendingDrafts:
     """Drafts requested for `seqs`, in order; they arrive in `trees`."""
 
@@ -59,8 +83,11 @@ class PendingDrafts:
 class _RequestState:
     num_synced: int  # tokens the drafter has seen
     budget: int  # draft nodes allowed next step
-    accepted_ema: float  # recent accepted drafts per step
     stats: SpecStats
+    # Recent drafts accepted and chains cut short (decaying counts): their ratio estimates
+    # the chance that a draft is accepted once its parent was.
+    hits: float = 1.0
+    misses: float = 1.0
     # EAGLE only: target features of computed positions not yet sent to the drafter,
     # starting at position `features_start`; `features_end` is the next position due.
     features: list[torch.Tensor] = field(default_factory=list)
@@ -87,12 +114,13 @@ class Speculator:
         self.max_drafts = cfg.speculative_num_draft_tokens - 1
         self.requests: dict[str, _RequestState] = {}
         self.stats = SpecStats()
+        self.costs: StepCosts | None = None  # set by the engine when budgets adapt
+        self._submitted_at = 0.0
 
     def open(self, seq: Sequence) -> None:
         if speculable(seq.params):
             self.drafter.open(seq.request_id, seq.token_ids)
-            budget = self.max_drafts
-            self.requests[seq.request_id] = _RequestState(len(seq), budget, budget / 2, SpecStats())
+            self.requests[seq.request_id] = _RequestState(len(seq), self.max_drafts, SpecStats())
 
     def close(self, seq: Sequence) -> SpecStats | None:
         state = self.requests.pop(seq.request_id, None)
@@ -122,6 +150,7 @@ class Speculator:
             state.features_start = state.features_end
             state.num_synced = len(seq)
             seqs.append(seq)
+        self._submitted_at = time.perf_counter()
         return PendingDrafts(seqs, self.drafter.submit(requests) if requests else None)
 
     def collect(self, pending: PendingDrafts) -> dict[Sequence, DraftTree]:
@@ -136,6 +165,11 @@ class Speculator:
             for seq in pending.seqs:
                 self.close(seq)
             return {}
+        if self.costs is not None and proposed:
+            drafted = max(len(t) - 1 for t in proposed)
+            if drafted:
+                per_token = (time.perf_counter() - self._submitted_at) / drafted
+                self.costs.draft = 0.8 * self.costs.draft + 0.2 * per_token
         trees = {}
         for seq, tree in zip(pending.seqs, proposed, strict=True):
             if seq.status is not SequenceStatus.RUNNING or seq.request_id not in self.requests:
@@ -194,8 +228,9 @@ class Speculator:
         accepted = len(path) - 1
         state.stats.add(len(tree) - 1, accepted)
         self.stats.add(len(tree) - 1, accepted)
-        if self.cfg.speculative_adaptive:
-            # Spend drafts where they pay: about twice what was recently accepted.
-            state.accepted_ema = 0.6 * state.accepted_ema + 0.4 * accepted
-            state.budget = max(1, min(self.max_drafts, round(2 * state.accepted_ema) + 1))
+        if self.costs is not None:
+            state.hits = 0.8 * state.hits + accepted
+            state.misses = 0.8 * state.misses + (accepted < max(tree.depths()))
+            alpha = state.hits / (state.hits + state.misses)
+            state.budget = best_budget(alpha, self.costs, self.max_drafts)
         return emitted

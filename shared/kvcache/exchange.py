@@ -3,7 +3,10 @@
 A block is stored under the chained hash of its tokens (the same hash the
 prefix cache uses; a partial last block hashes the tokens it has), behind a
 fingerprint of the model, so equal keys always mean equal K/V: any service can
-reuse a stored prefix, and writers of the same key never conflict.
+reuse a stored prefix, and writers of the same key never conflict. Target features
+for EAGLE drafters (the outputs of chosen layers at each position) travel the same
+way, one blob per block under the block's key and a tag naming the layers, so a
+drafter's head starts warm at the first decode step.
 """
 
 from __future__ import annotations
@@ -79,9 +82,37 @@ class KVExchange:
             self._write(block_table[i], key, data)
             self.read.inc(len(data))
 
+    def export_features(
+        self, keys: list[str], tag: str, features: torch.Tensor, first_block: int
+    ) -> None:
+        """Store the feature rows of blocks first_block.. (`features` starts at that block)."""
+        bs, items = self.kv_cache.block_size, {}
+        for i, key in enumerate(keys[first_block:]):
+            rows = features[i * bs : i * bs + _block_tokens(key)]
+            items[f"{key}-features-{tag}"] = rows.contiguous().view(torch.uint8).cpu().numpy()
+        self.transport.put_many({k: v.tobytes() for k, v in items.items()}, self.ttl_s)
+        self.written.inc(sum(v.nbytes for v in items.values()))
+
+    def load_features(self, keys: list[str], tag: str) -> tuple[int, torch.Tensor] | None:
+        """The stored feature rows of the longest run of blocks ending at the last one:
+        (its first position, rows), or None if the last block has none."""
+        blobs = self.transport.get_many([f"{key}-features-{tag}" for key in keys])
+        first = len(blobs)
+        while first > 0 and blobs[first - 1] is not None:
+            first -= 1
+        if first == len(blobs):
+            return None
+        dtype = self.kv_cache.storage.dtype
+        rows = [
+            torch.frombuffer(bytearray(b), dtype=dtype).view(_block_tokens(key), -1)
+            for key, b in zip(keys[first:], blobs[first:], strict=True)
+        ]
+        self.read.inc(sum(len(b) for b in blobs[first:]))
+        return first * self.kv_cache.block_size, torch.cat(rows)
+
     def _slots(self, block_id: int, key: str) -> slice:
         start = block_id * self.kv_cache.block_size
-        return slice(start, start + int(key.rsplit("-", 1)[1]))
+        return slice(start, start + _block_tokens(key))
 
     def _read(self, block_id: int, key: str) -> bytes:
         block = self.kv_cache.storage[:, :, self._slots(block_id, key)]
@@ -92,3 +123,13 @@ class KVExchange:
         target = storage[:, :, self._slots(block_id, key)]
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         target.copy_(raw.view(storage.dtype).view(target.shape))
+
+
+def _block_tokens(key: str) -> int:
+    """Tokens in the block a key names (its last part; a partial last block has fewer)."""
+    return int(key.rsplit("-", 1)[1])
+
+
+def feature_tag(layers: tuple[int, ...], normed: bool) -> str:
+    """Names which target features a blob holds (as Drafter.target_features)."""
+    return "-".join(map(str, layers)) + ("n" if normed else "")

@@ -150,15 +150,15 @@ class LlamaForCausalLM(nn.Module):
         aux_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the final-normed hidden states [T, hidden] and the residual
-        stream after each layer index in `aux_layers` (features for EAGLE heads)."""
+        stream after each layer index in `aux_layers`, in that order (EAGLE features)."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         x = self.embed_tokens(input_ids)
-        aux = []
+        aux = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_caches[i], meta)
             if i in aux_layers:
-                aux.append(x)
-        return self.norm(x), aux
+                aux[i] = x
+        return self.norm(x), [aux[i] for i in aux_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -78,6 +78,17 @@ def copy_into(
     target.copy_(tensor)
 
 
+def split_fused(
+    name: str, tensor: torch.Tensor, fused: dict[str, tuple[str, int, int]]
+) -> list[tuple[str, torch.Tensor]]:
+    """Our parameter as the checkpoint tensors it was spliced from (the inverse of copy_into)."""
+    *prefix, module, kind = name.split(".") if "." in name else ("", name, "")
+    parts = [(proj, start, rows) for proj, (m, start, rows) in fused.items() if m == module]
+    if not parts:
+        return [(name, tensor)]
+    return [(".".join([*prefix, proj, kind]), tensor[s : s + n]) for proj, s, n in parts]
+
+
 def checkpoint_names(param: str, fused: dict[str, tuple[str, int, int]]) -> list[str]:
     """The checkpoint tensors that fill one of our parameters."""
     if "." not in param:  # e.g. EAGLE-3's d2t map

@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from shared.config import option
+from shared.config import DEFAULT_MODEL_NAME, option
 
 ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
+# Drafters trained here for the default model (see heads/*/README.md for how each was made).
+HEADS_DIR = Path(__file__).parent / "heads"
+SHIPPED = {p.name for p in HEADS_DIR.glob("*") if (p / "config.json").is_file()}
+
+
+def shipped_drafter(model: str | None, algorithm: str) -> str | None:
+    """The shipped drafter for `algorithm` if `model` is the default one (None means it)."""
+    name = f"{DEFAULT_MODEL_NAME}-{algorithm}"
+    if model is not None and Path(model).name != DEFAULT_MODEL_NAME or name not in SHIPPED:
+        return None
+    return str(HEADS_DIR / name)
 
 
 @dataclass
@@ -14,7 +26,11 @@ class SpeculativeConfig:
     """Each field is also a command-line option (`--speculative-...`)."""
 
     speculative_algorithm: str | None = option(None, f"one of {', '.join(ALGORITHMS)}; unset: off")
-    speculative_draft_model_path: str | None = option(None, "draft LM (STANDALONE) or head (EAGLE)")
+    speculative_draft_model_path: str | None = option(
+        None,
+        "draft LM (STANDALONE) or head (EAGLE, EAGLE3; unset on the default model: the "
+        "head trained for it that ships with specmesh)",
+    )
     speculative_num_steps: int | None = option(None, "draft depth (unset: chosen automatically)")
     speculative_eagle_topk: int | None = option(None, "branching per draft step (1 = chain)")
     speculative_num_draft_tokens: int | None = option(
@@ -26,35 +42,43 @@ class SpeculativeConfig:
     speculative_accept_threshold_acc: float = option(
         1.0, "accept a draft with probability min(1, p / this) (1 = exact sampling)"
     )
-    speculative_token_map: str | None = option(None, "FR-Spec reduced draft vocabulary (token ids)")
     speculative_token_map: str | None = option(
-        None, "FR-Spec: .pt or .json list of token ids the draft LM head keeps"
+        None,
+        "FR-Spec: .pt or .json list of token ids the draft LM head keeps (STANDALONE, "
+        "EAGLE, EAGLE3)",
     )
     speculative_ngram_min_bfs_breadth: int = option(1, "NGRAM: branching at the deepest level")
     speculative_ngram_max_bfs_breadth: int = option(8, "NGRAM: branching at the first level")
     speculative_ngram_match_type: str = option("BFS", "NGRAM: BFS (recency) or PROB (frequency)")
     speculative_ngram_max_trie_depth: int = option(12, "NGRAM: longest n-gram remembered")
     speculative_ngram_capacity: int = option(1_000_000, "NGRAM: shared-trie nodes before reset")
-    speculative_adaptive: bool = option(True, "adapt each request's draft budget to its acceptance")
+    speculative_adaptive: bool = option(
+        True, "choose each request's draft budget per step from its acceptance and measured costs"
+    )
 
     @property
     def enabled(self) -> bool:
         return self.speculative_algorithm is not None
 
-    def resolved(self) -> SpeculativeConfig:
-        """Validate, and fill the tree shape options SGLang lets users leave unset."""
+    def resolved(self, model: str | None = None) -> SpeculativeConfig:
+        """Validate, and fill what SGLang lets users leave unset: the tree shape options,
+        and (for the default `model`) the draft head that ships with specmesh."""
         algo = self.speculative_algorithm
         if algo is None:
             return self
         algo = algo.upper()
         if algo not in ALGORITHMS:
             raise ValueError(f"--speculative-algorithm must be one of {ALGORITHMS}, got {algo!r}")
-        if algo != "NGRAM" and not self.speculative_draft_model_path:
-            raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path")
+        draft = self.speculative_draft_model_path or shipped_drafter(model, algo)
+        if algo != "NGRAM" and not draft:
+            raise ValueError(
+                f"--speculative-algorithm {algo} needs --speculative-draft-model-path (specmesh "
+                f"ships trained heads for {DEFAULT_MODEL_NAME} only: {sorted(SHIPPED)})"
+            )
         if algo == "NGRAM" and self.speculative_draft_model_path:
             raise ValueError("NGRAM drafts from the context; it takes no draft model")
-        if self.speculative_token_map and algo != "STANDALONE":
-            raise ValueError("--speculative-token-map applies to a draft LM (STANDALONE)")
+        if self.speculative_token_map and algo == "NGRAM":
+            raise ValueError("--speculative-token-map restricts a draft LM head; NGRAM has none")
         if self.speculative_ngram_match_type.upper() not in ("BFS", "PROB"):
             raise ValueError("--speculative-ngram-match-type must be BFS or PROB")
         for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
@@ -88,6 +112,7 @@ class SpeculativeConfig:
         values = {**self.__dict__}
         values.update(
             speculative_algorithm=algo,
+            speculative_draft_model_path=draft,
             speculative_num_steps=steps,
             speculative_eagle_topk=topk,
             speculative_num_draft_tokens=tokens,

@@ -17,10 +17,13 @@ as STANDALONE does (top-k per step, cumulative scores, rerank).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from shared.engine.sequence import Sequence
@@ -29,11 +32,11 @@ from shared.kvcache.kv_cache import KVCache
 from shared.model.attention import SequenceSpan, TorchAttention
 from shared.model.config import ModelConfig
 from shared.model.llama import MLP, Attention, Linear, LlamaForCausalLM, RMSNorm
-from shared.model.loader import checkpoint_names, copy_into, fused_slices
+from shared.model.loader import checkpoint_names, copy_into, fused_slices, split_fused
 from shared.model.rope import rope_cos_sin
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.drafter import DraftRequest, LocalDrafter, target_feature_layers
-from shared.speculative.standalone import DRAFT_PARAMS, TreeSearch
+from shared.speculative.standalone import DRAFT_PARAMS, TreeSearch, load_token_map
 from shared.speculative.tree import DraftTree
 
 
@@ -74,34 +77,119 @@ class EagleHead(nn.Module):
         meta: object,
     ) -> torch.Tensor:
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        if self.eagle3:
-            residual = features
-            x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(features)], dim=-1)
-        else:
-            residual = x = self.fc(torch.cat([embeds, features], dim=-1))
-        h = residual + self.self_attn(x, cos, sin, kv_cache, meta)
+        return self.decode(embeds, features, lambda x: self.self_attn(x, cos, sin, kv_cache, meta))
+
+    def decode(
+        self,
+        embeds: torch.Tensor,
+        features: torch.Tensor,
+        attend: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The layer over (token embedding, feature) pairs [T, H] -> [T, H]; `attend` is its
+        attention over the layer input (paged when serving, unrolled over draft steps in
+        training)."""
+        x, residual = self.attention_input(embeds, features)
+        h = residual + attend(x)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def attention_input(
+        self, embeds: torch.Tensor, features: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's attention input and residual for (token embedding, feature) pairs."""
+        if self.eagle3:
+            x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(features)], dim=-1)
+            return x, features
+        x = self.fc(torch.cat([embeds, features], dim=-1))
+        return x, x
+
+    def logits(self, hidden: torch.Tensor, target: LlamaForCausalLM) -> torch.Tensor:
+        """Logits over the draft vocabulary (EAGLE-3's own head) or the target's (EAGLE)."""
+        if self.eagle3:
+            return self.lm_head(self.norm(hidden))
+        return target.compute_logits(hidden)
+
+
+def _weight_file(path: Path) -> Path:
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (path / name).exists():
+            return path / name
+    raise ValueError(
+        f"the draft head at {path} holds neither model.safetensors nor pytorch_model.bin"
+    )
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    if (path / "model.safetensors").exists():
-        return load_file(path / "model.safetensors")
-    if (path / "pytorch_model.bin").exists():
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{path} holds neither model.safetensors nor pytorch_model.bin")
+    file = _weight_file(path)
+    if file.suffix == ".safetensors":
+        return load_file(file)
+    return torch.load(file, map_location="cpu", weights_only=True)
 
 
-def load_head(
-    path: Path, eagle3: bool, target: LlamaForCausalLM
-) -> tuple[EagleHead, torch.Tensor | None]:
-    """The head and, if the checkpoint brings one, its own token embedding."""
+def _tensor_names(path: Path) -> set[str]:
+    """Checkpoint tensor names, without reading the tensors where the format allows."""
+    file = _weight_file(path)
+    if file.suffix != ".safetensors":
+        return set(_read_weights(path))
+    with safe_open(file, "pt") as f:
+        return set(f.keys())
+
+
+@dataclass
+class HeadSpec:
+    """What a head checkpoint's config says, checked against the target it drafts for."""
+
+    config: ModelConfig  # the head's one decoder layer
+    draft_vocab: int
+    target_features: tuple[tuple[int, ...], bool]  # as Drafter.target_features
+
+
+def read_head_spec(path: Path, eagle3: bool, target: ModelConfig) -> HeadSpec:
+    """Read and check a head's config.json and tensor names; raise ValueError on a head that
+    does not fit `target` (before any weight is read)."""
+    algo = "EAGLE3" if eagle3 else "EAGLE"
+    if not (path / "config.json").is_file():
+        raise ValueError(f"the draft head directory {path} has no config.json")
     raw = json.loads((path / "config.json").read_text())
     cfg = ModelConfig.from_hf(
         {**raw, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1}
     )
+    target_hidden = raw.get("target_hidden_size") or cfg.hidden_size
+    if target_hidden != target.hidden_size or (not eagle3 and cfg.hidden_size != target_hidden):
+        raise ValueError(
+            f"the {algo} head at {path} reads hidden size {target_hidden}; "
+            f"the target's is {target.hidden_size}"
+        )
+    if cfg.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"the {algo} head at {path} has vocab size {cfg.vocab_size}; "
+            f"the target's is {target.vocab_size}"
+        )
+    layers, normed = target_feature_layers(algo, target.num_layers)
+    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if eagle3 and ids is not None:
+        layers = tuple(int(i) for i in ids)
+        if len(layers) != 3 or not all(0 <= i < target.num_layers for i in layers):
+            raise ValueError(
+                f"the EAGLE3 head at {path} reads target layers {list(layers)}; "
+                f"the target has layers 0..{target.num_layers - 1}"
+            )
+    names = {n.removeprefix("midlayer.").removeprefix("layers.0.") for n in _tensor_names(path)}
+    wanted = {"fc.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight"}
+    wanted |= {"norm.weight", "lm_head.weight", "d2t", "hidden_norm.weight"} if eagle3 else set()
+    if missing := sorted(wanted - names):
+        hint = " (is it an EAGLE head? EAGLE-3 heads carry midlayer.*, d2t and lm_head)"
+        raise ValueError(f"the {algo} head at {path} lacks {missing}{hint if eagle3 else ''}")
     draft_vocab = raw.get("draft_vocab_size") or cfg.vocab_size
-    head = EagleHead(cfg, eagle3, target.config.hidden_size, draft_vocab)
-    fused = fused_slices(cfg)
+    return HeadSpec(cfg, draft_vocab, (layers, normed))
+
+
+def load_head(
+    path: Path, eagle3: bool, target: LlamaForCausalLM
+) -> tuple[EagleHead, HeadSpec, torch.Tensor | None]:
+    """The head, its checked spec and, if the checkpoint brings one, its own embedding."""
+    spec = read_head_spec(path, eagle3, target.config)
+    head = EagleHead(spec.config, eagle3, target.config.hidden_size, spec.draft_vocab)
+    fused = fused_slices(spec.config)
     params = dict(head.named_parameters())
     if eagle3:
         params["d2t"] = head.d2t
@@ -118,7 +206,51 @@ def load_head(
     missing = [c for n in params for c in checkpoint_names(n, fused) if c not in seen]
     if missing:
         raise ValueError(f"the EAGLE head at {path} lacks {missing}")
-    return head, embed
+    return head, spec, embed
+
+
+def save_head(head: EagleHead, path: Path, target: ModelConfig, spec: HeadSpec) -> None:
+    """Write `head` in its published layout, bf16: EAGLE-3 as SpecForge exports it for
+    SGLang (`midlayer.*`, `d2t`, `t2d`), EAGLE as `fc` + `layers.0.*`."""
+    path.mkdir(parents=True, exist_ok=True)
+    cfg, eagle3 = head.config, head.eagle3
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in head.state_dict().items():
+        top = name.split(".")[0] in ("fc", "norm", "lm_head", "d2t")
+        for part, value in split_fused(name, tensor, fused_slices(cfg)):
+            key = part if top else ("midlayer." if eagle3 else "layers.0.") + part
+            tensors[key] = value if name == "d2t" else value.to(torch.bfloat16)
+    if eagle3:
+        t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+        t2d[head.d2t + torch.arange(len(head.d2t))] = True
+        tensors["t2d"] = t2d
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors")
+    layers, _ = spec.target_features
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3" if eagle3 else "LlamaForCausalLMEagle"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": target.vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    if eagle3:
+        config["draft_vocab_size"] = spec.draft_vocab
+        config["target_hidden_size"] = target.hidden_size
+        config["eagle_config"] = {
+            "eagle_aux_hidden_state_layer_ids": list(layers),
+            "use_aux_hidden_state": True,
+        }
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 class EagleDrafter(LocalDrafter):
@@ -133,13 +265,12 @@ class EagleDrafter(LocalDrafter):
         path = Path(cfg.speculative_draft_model_path)
         weight = target.embed_tokens.weight
         device, dtype = weight.device, weight.dtype
-        head, embed = load_head(path, eagle3, target)
+        head, spec, embed = load_head(path, eagle3, target)
         self.head = head.to(device, dtype).eval()
         self.embed = embed.to(device, dtype) if embed is not None else weight
         self.target = target
-        self.target_features = target_feature_layers(
-            cfg.speculative_algorithm, target.config.num_layers
-        )
+        self.target_features = spec.target_features
+        self._vocab(cfg.speculative_token_map)
         self.kv_cache = KVCache.for_memory(self.head.config, kv_cache_gb, block_size, device, dtype)
         self.blocks = BlockManager(self.kv_cache.num_blocks, block_size)
         self.num_steps = cfg.speculative_num_steps
@@ -151,6 +282,33 @@ class EagleDrafter(LocalDrafter):
         self.offsets: dict[str, int] = {}
         self.seqs: dict[str, Sequence] = {}
         self.features: dict[str, list[torch.Tensor]] = {}
+
+    def _vocab(self, token_map: str | None) -> None:
+        """The rows of the LM head drafting scores (`lm_rows`, None: the head's own) and the
+        target id of each (`vocab_ids`, None: the row index). EAGLE-3 scores its draft
+        vocabulary; EAGLE the target's. A token map (FR-Spec) keeps only the listed ids."""
+        head, device = self.head, self.embed.device
+        self.vocab_ids: torch.Tensor | None = None
+        self.lm_rows: torch.Tensor | None = None
+        if head.eagle3:
+            self.vocab_ids = head.d2t + torch.arange(len(head.d2t), device=device)
+        if token_map is None:
+            return
+        listed = load_token_map(token_map, self.target.config.vocab_size).to(device)
+        if head.eagle3:
+            keep = torch.isin(self.vocab_ids, listed).nonzero()[:, 0]
+            if len(keep) == 0:
+                raise ValueError(
+                    f"--speculative-token-map {token_map} keeps none of the head's draft vocabulary"
+                )
+            self.lm_rows, self.vocab_ids = head.lm_head.weight[keep], self.vocab_ids[keep]
+        else:
+            self.lm_rows, self.vocab_ids = self.target.lm_head.weight[listed], listed
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_rows is None:
+            return self.head.logits(hidden, self.target)
+        return (self.head.norm(hidden) if self.head.eagle3 else hidden) @ self.lm_rows.T
 
     def open(self, request_id: str, prompt_ids: list[int]) -> None:
         self.tokens[request_id] = list(prompt_ids)
@@ -234,13 +392,9 @@ class EagleDrafter(LocalDrafter):
             meta,
         )
         out = hidden[torch.tensor(rows, device=device)]
-        if self.head.eagle3:
-            logits = self.head.lm_head(self.head.norm(out))
-        else:
-            logits = self.target.compute_logits(out)
-        top_lp, top_ids = torch.log_softmax(logits.float(), dim=-1).topk(self.topk, dim=-1)
-        if self.head.eagle3:
-            top_ids = top_ids + self.head.d2t[top_ids]
+        top_lp, top_ids = torch.log_softmax(self._logits(out).float(), dim=-1).topk(self.topk)
+        if self.vocab_ids is not None:
+            top_ids = self.vocab_ids[top_ids]
         row = 0
         for s in searches:
             if catch_up:

@@ -1,0 +1,157 @@
+"""Drafters side by side over the services: no speculation, NGRAM, EAGLE, EAGLE-3.
+
+    python benchmarks/bench_drafters.py [--model DIR] [--new-tokens 96] [--runs 3]
+        [--eagle-head DIR] [--eagle3-head DIR] [--setups none,NGRAM,EAGLE3]
+        [--temperature 0.7]
+
+Each setup is its own `specmesh up` (five services, shm transport), one request at a
+time (concurrency 1), greedy. Two prompt sets: `chat`, the held-out chat prompts
+(`benchmarks/prompts/chat_heldout.json`, topics no drafter trained on) and `copy`,
+bench_speculative's rewrite and repetition prompts. Per setup and set it prints
+generated tokens/s and the acceptance length (tokens per verify step), and each
+setup's speed over no speculation and over NGRAM: ratios taken within a run (the
+setups run back to back), then the median over `--runs`. First it prints the verify
+cost curve the engine measures when it starts (what draft budgets are chosen by).
+EAGLE-3 without
+`--eagle3-head` is the head that ships for the default model. Every output is
+checked to equal the output without speculation (with `--temperature` > 0 each
+request is seeded, and seeded draws do not depend on speculation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_speculative import REPEAT, REWRITE  # noqa: E402
+from deployment import specmesh_up  # noqa: E402
+
+from shared.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from shared.infra import start_nats  # noqa: E402
+from shared.model.fetch import fetch_default_model  # noqa: E402
+from shared.speculative.config import SpeculativeConfig  # noqa: E402
+
+CHAT = json.loads((Path(__file__).parent / "prompts" / "chat_heldout.json").read_text())
+SETS = {"chat": CHAT, "copy": REWRITE + REPEAT}
+
+
+def run_set(
+    client: httpx.Client, url: str, prompts: list[str], new_tokens: int, temperature: float
+) -> dict:
+    """One request at a time: tokens/s, acceptance length, texts."""
+    tokens = steps = accepted = 0
+    texts = []
+    start = time.perf_counter()
+    for seed, prompt in enumerate(prompts):
+        body = {
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": temperature,
+            "seed": seed,
+            "max_tokens": new_tokens,
+        }
+        r = client.post(f"{url}/v1/chat/completions", json=body).json()
+        texts.append(r["choices"][0]["message"]["content"])
+        tokens += r["usage"]["completion_tokens"]
+        spec = r.get("metrics", {}).get("speculative_decoding", {})
+        steps += spec.get("num_spec_steps", 0)
+        accepted += spec.get("num_accepted_draft_tokens", 0)
+    seconds = time.perf_counter() - start
+    return {
+        "rate": tokens / seconds,
+        "accept": 1 + accepted / steps if steps else 1.0,
+        "texts": texts,
+    }
+
+
+def run_setup(model: Path, args: list[str], new_tokens: int, temperature: float) -> dict[str, dict]:
+    with (
+        start_nats() as bus,
+        specmesh_up(model, *args, "--nats-url", bus.url) as url,
+        httpx.Client(timeout=900) as client,
+    ):
+        run_set(client, url, ["Say hello.", "Count to five."], 16, temperature)  # warm-up
+        return {
+            name: run_set(client, url, prompts, new_tokens, temperature)
+            for name, prompts in SETS.items()
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--eagle-head",
+        default=None,
+        help="EAGLE head (the setup is skipped without one: none ships)",
+    )
+    parser.add_argument("--eagle3-head", default=None, help="default: the shipped head")
+    parser.add_argument("--setups", default="none,NGRAM,EAGLE,EAGLE3")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    args = parser.parse_args()
+    model = Path(args.model) if args.model else fetch_default_model()
+    heads = {"EAGLE": args.eagle_head, "EAGLE3": args.eagle3_head}
+    setups = {}
+    for name in args.setups.split(","):
+        if name == "none":
+            setups[name] = []
+        elif name == "EAGLE" and not args.eagle_head:
+            print("skipping EAGLE: no --eagle-head given")
+        else:
+            setups[name] = ["--speculative-algorithm", name]
+            if heads.get(name):
+                setups[name] += ["--speculative-draft-model-path", heads[name]]
+    spec = SpeculativeConfig(speculative_algorithm="NGRAM")  # budgets up to 7 drafts
+    costs = LLMEngine(EngineConfig(model=str(model), kv_cache_gb=0.25), spec).speculator.costs
+    curve = "  ".join(f"{k}: {t / costs.verify[0]:.2f}" for k, t in enumerate(costs.verify))
+    print(f"verify cost, k drafts / a plain decode step ({costs.verify[0] * 1e3:.1f} ms): {curve}")
+    results: dict[tuple[str, str], list[dict]] = {}
+    for run in range(args.runs):
+        for name, up in setups.items():
+            outcome = run_setup(model, up, args.new_tokens, args.temperature)
+            for set_name, result in outcome.items():
+                results.setdefault((name, set_name), []).append(result)
+                reference = results.get(("none", set_name), [result])[-1]["texts"]
+                if result["texts"] != reference:
+                    print(f"WARNING: {name} {set_name}: output differs from no speculation")
+            line = "  ".join(
+                f"{s} {results[(name, s)][-1]['rate']:.1f} tok/s "
+                f"(accept {results[(name, s)][-1]['accept']:.2f})"
+                for s in SETS
+            )
+            print(f"run {run + 1} {name}: {line}", flush=True)
+
+    def ratio(name: str, base: str, set_name: str) -> str:
+        if (base, set_name) not in results:
+            return "-"
+        pairs = zip(results[(name, set_name)], results[(base, set_name)], strict=True)
+        return f"{statistics.median(a['rate'] / b['rate'] for a, b in pairs):.2f}x"
+
+    sampling = f"temperature {args.temperature}" if args.temperature else "greedy"
+    print(
+        f"\nconcurrency 1, {sampling}, up to {args.new_tokens} tokens, medians of {args.runs} runs"
+    )
+    print(f"{'setup':<8}{'set':<6}{'tok/s':>8}{'accept':>8}{'vs none':>9}{'vs NGRAM':>10}")
+    for name in setups:
+        for set_name in SETS:
+            rs = results[(name, set_name)]
+            rate = statistics.median(r["rate"] for r in rs)
+            accept = statistics.median(r["accept"] for r in rs)
+            print(
+                f"{name:<8}{set_name:<6}{rate:>8.1f}{accept:>8.2f}"
+                f"{ratio(name, 'none', set_name):>9}{ratio(name, 'NGRAM', set_name):>10}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Training drafters for a target: self-distilled data, target features, EAGLE-3 TTT."""

@@ -1,0 +1,230 @@
+"""Training an EAGLE / EAGLE-3 head on the target's own view of the data.
+
+Training-time test (EAGLE-3): each batch is unrolled over `ttt_steps` draft steps. Entry i
+pairs token i+1 with the feature of position i; at step k it reads token i+1+k and the
+head's own output of step k-1 (step 0: the target's feature), and learns the target's
+distribution for the token after position i+1+k. Its query attends to step 0's entries
+0..i (the context, built from real target features) and to entry i of steps 1..k (the
+draft chain above it), exactly what it sees when drafting a chain at serving time. Only a
+random `root_fraction` of the entries are unrolled as roots (the context still comes from
+all of them): on a CPU, training is bound by compute, not by data.
+
+Loss (SpecForge's): per step, soft cross-entropy against the target's distribution over
+the draft vocabulary, on positions whose target choice is in that vocabulary, weighted
+0.8^k. Held-out acceptance: the mean length of the chain of consecutive correct greedy
+steps, plus one (the bonus token) -- the acceptance length of chain drafting.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shared.model.llama import LlamaForCausalLM
+from shared.model.rope import apply_rope
+from shared.speculative.eagle import EagleHead
+from shared.training.data import Sample
+from shared.training.features import TargetView
+
+STEP_DECAY = 0.8
+
+
+@dataclass
+class Batch:
+    """Padded samples; M = longest length - 1 entries each."""
+
+    ids: torch.Tensor  # [B, M + 1]
+    features: torch.Tensor  # [B, M + 1, F]
+    final: torch.Tensor  # [B, M + 1, H]
+    argmax: torch.Tensor  # [B, M + 1]
+    learned: torch.Tensor  # [B, M + 1] bool: token p+1 is learned from position p
+
+
+def learned_positions(sample: Sample) -> torch.Tensor:
+    """[N] bool: position p learns the token after it (p + 1 in one of the spans)."""
+    mask = torch.zeros(len(sample.ids), dtype=torch.bool)
+    for start, end in sample.spans:
+        mask[max(start - 1, 0) : max(end - 1, 0)] = True
+    return mask
+
+
+def make_batches(
+    samples: list[Sample], views: list[TargetView], tokens: int, seed: int
+) -> list[list[int]]:
+    """Sample indices grouped by length (little padding), about `tokens` tokens each,
+    in a seeded random order."""
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].ids))
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * len(samples[i].ids) > tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    batches += [current] if current else []
+    random.Random(seed).shuffle(batches)
+    return batches
+
+
+def collate(
+    samples: list[Sample], views: list[TargetView], idx: list[int], device: torch.device
+) -> Batch:
+    def pad(items: list[torch.Tensor]) -> torch.Tensor:
+        return torch.nn.utils.rnn.pad_sequence(items, batch_first=True).to(device)
+
+    return Batch(
+        ids=pad([torch.tensor(samples[i].ids) for i in idx]),
+        features=pad([views[i].features for i in idx]).float(),
+        final=pad([views[i].final for i in idx]).float(),
+        argmax=pad([views[i].argmax for i in idx]),
+        learned=pad([learned_positions(samples[i]) for i in idx]),
+    )
+
+
+class UnrolledAttention:
+    """The head's attention in the training-time-test layout (see the module doc), for `r`
+    drafting roots per sample: step 0's keys and values exist for every entry (the
+    context); queries, and the keys of later steps, only for the roots."""
+
+    def __init__(self, head: EagleHead, context: torch.Tensor, roots: torch.Tensor) -> None:
+        """context: [B*M, in] step 0's attention input at every entry; roots: [B, r]."""
+        self.head, a = head, head.self_attn
+        (self.b, self.r), self.m = roots.shape, len(context) // roots.shape[0]
+        _, k, v = a.qkv_proj(context).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        positions = torch.arange(self.m, device=roots.device).repeat(self.b)
+        k = self._rope(k, a.num_kv_heads, positions)
+        # [B, KVH, 1, M, D]: broadcast over each KV group's query heads
+        self.keys = k.view(self.b, self.m, a.num_kv_heads, -1).transpose(1, 2)[:, :, None]
+        self.values = v.reshape(self.b, self.m, a.num_kv_heads, -1).transpose(1, 2)[:, :, None]
+        self.positions = roots.reshape(-1)
+        # [B, 1, 1, r, M]: root i sees context entries 0..i
+        seen = torch.arange(self.m, device=roots.device) <= roots[..., None]
+        self.context_mask = seen[:, None, None]
+        self.chain: list[tuple[torch.Tensor, torch.Tensor]] = []  # per step >= 1: K, V
+
+    def _rope(self, x: torch.Tensor, heads: int, positions: torch.Tensor) -> torch.Tensor:
+        h = self.head
+        return apply_rope(
+            x.reshape(len(x), heads, -1), h.rope_cos[positions], h.rope_sin[positions]
+        )
+
+    def step(self, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The attention of draft step k over the roots' rows [B*r, in] (root i at i + k)."""
+        return lambda x: self._attend(x, k)
+
+    def _attend(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        a, b, r = self.head.self_attn, self.b, self.r
+        group = a.num_heads // a.num_kv_heads
+        q, key, value = a.qkv_proj(x).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q = self._rope(q, a.num_heads, self.positions + k)
+        q = q.view(b, r, a.num_kv_heads, group, -1).permute(0, 2, 3, 1, 4)  # [B,KVH,G,r,D]
+        scale = a.head_dim**-0.5
+        scores = (q @ self.keys.transpose(-1, -2)) * scale  # [B,KVH,G,r,M]
+        scores = scores.masked_fill(~self.context_mask, float("-inf"))
+        if k > 0:  # the draft chain above each root: its own entry at steps 1..k
+            key = self._rope(key, a.num_kv_heads, self.positions + k)
+            shape = (b, r, a.num_kv_heads, 1, 1, -1)  # [B,r,KVH,1,1,D] -> [B,KVH,1,r,1,D]
+            self.chain.append(
+                tuple(t.reshape(shape).permute(0, 2, 3, 1, 4, 5) for t in (key, value))
+            )
+            chain_k = torch.cat([c[0] for c in self.chain], dim=-2)  # [B,KVH,1,r,k,D]
+            chain_v = torch.cat([c[1] for c in self.chain], dim=-2)
+            chain = (q[..., None, :] * chain_k).sum(-1) * scale  # [B,KVH,G,r,k]
+            scores = torch.cat([scores, chain], dim=-1)
+        p = scores.softmax(-1)
+        out = p[..., : self.m] @ self.values
+        if k > 0:
+            out = out + (p[..., self.m :, None] * chain_v).sum(-2)
+        return a.o_proj(out.permute(0, 3, 1, 2, 4).reshape(b * r, a.q_size))
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor
+    correct: torch.Tensor  # [B*r, steps] bool: step k's greedy draft is the target's choice
+    valid: torch.Tensor  # [B*r] the root's first label is learned
+
+
+def pick_roots(
+    valid: torch.Tensor, fraction: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """[B, r] drafting roots per sample, r = ceil(fraction * M): a random choice among its
+    valid entries (all entries when fraction is 1). Samples short of valid entries get
+    invalid ones, which the loss ignores."""
+    b, m = valid.shape
+    r = max(1, math.ceil(fraction * m))
+    if r >= m:
+        return torch.arange(m, device=valid.device).expand(b, m)
+    noise = torch.rand(b, m, generator=generator, device=valid.device) + valid.float()
+    return noise.topk(r, dim=1).indices.sort(dim=1).values
+
+
+def unrolled_loss(
+    head: EagleHead,
+    target: LlamaForCausalLM,
+    batch: Batch,
+    steps: int,
+    draft_ids: torch.Tensor | None,
+    root_fraction: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> StepResult:
+    """`draft_ids`: target id of each draft-vocabulary entry (EAGLE-3), None for EAGLE.
+    The loss and accuracy are over `root_fraction` of each sample's entries as drafting
+    roots; context keys come from every entry."""
+    b, m = batch.ids.shape[0], batch.ids.shape[1] - 1
+    embed = target.embed_tokens.weight
+    label_head = target.lm_head.weight if draft_ids is None else target.lm_head.weight[draft_ids]
+    in_vocab = torch.ones(embed.shape[0], dtype=torch.bool, device=embed.device)
+    if draft_ids is not None:
+        in_vocab.zero_()[draft_ids] = True
+    features = head.project(batch.features[:, :m].reshape(b * m, -1))
+    context, _ = head.attention_input(embed[batch.ids[:, 1:].reshape(-1)], features)
+    roots = pick_roots(batch.learned[:, 1:], root_fraction, generator)  # [B, r]
+    attention = UnrolledAttention(head, context, roots)
+
+    def at(x: torch.Tensor, k: int) -> torch.Tensor:
+        """x[b, root + k] for every root, flattened (past the end: padding)."""
+        padded = F.pad(x, (0, 0) * (x.dim() - 2) + (0, k + 1))
+        index = (roots + k).reshape(b, -1, *([1] * (x.dim() - 2)))
+        return padded.gather(1, index.expand(-1, -1, *x.shape[2:])).flatten(0, 1)
+
+    hidden = at(features.view(b, m, -1), 0)
+    loss = torch.zeros((), device=embed.device)
+    correct = torch.zeros(len(hidden), steps, dtype=torch.bool, device=embed.device)
+    for k in range(steps):
+        hidden = head.decode(embed[at(batch.ids, 1 + k)], hidden, attention.step(k))
+        choice = at(batch.argmax, 1 + k)
+        learned = at(batch.learned, 1 + k) & in_vocab[choice]
+        if not learned.any():
+            continue
+        rows = learned.nonzero()[:, 0]
+        logits = head.logits(hidden[rows], target).float()
+        with torch.no_grad():
+            labels = torch.softmax(at(batch.final, 1 + k)[rows] @ label_head.T.float(), dim=-1)
+        step_loss = -(labels * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+        loss = loss + STEP_DECAY**k * step_loss
+        guess = logits.argmax(-1)
+        guess = guess if draft_ids is None else draft_ids[guess]
+        correct[rows, k] = guess == choice[rows]
+    return StepResult(loss, correct, at(batch.learned, 1))
+
+
+def acceptance_length(correct: torch.Tensor, valid: torch.Tensor) -> float:
+    """1 + mean number of leading correct steps over valid roots (greedy chain drafting)."""
+    if not valid.any():
+        return 1.0
+    chain = correct[valid].int().cumprod(dim=1).sum(dim=1).float()
+    return 1.0 + chain.mean().item()
+
+
+def lr_at(step: int, total: int, peak: float, warmup: float = 0.02) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
+    warm = max(1, int(total * warmup))
+    if step < warm:
+        return peak * (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, total - warm))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))

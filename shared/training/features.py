@@ -1,0 +1,106 @@
+"""The target's view of each training sample, computed once by teacher forcing.
+
+For every position p of a sample: the features a head reads at p, the target's final
+normed hidden state at p (its LM head turns it into the label distribution for the
+token after p), and the target's greedy choice for that token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from shared.kvcache.kv_cache import KVCache
+from shared.model.attention import SequenceSpan
+from shared.model.llama import LlamaForCausalLM
+from shared.training.data import Sample
+
+BLOCK = 16
+
+
+@dataclass
+class TargetView:
+    features: torch.Tensor  # [N, F] what the head reads (EAGLE-3: three layers side by side)
+    final: torch.Tensor  # [N, H] final normed hidden state
+    argmax: torch.Tensor  # [N] the target's greedy next token
+
+
+def _batches(samples: list[Sample], tokens: int) -> list[list[int]]:
+    """Consecutive sample indices, about `tokens` tokens per batch."""
+    batches, current, size = [], [], 0
+    for i, s in enumerate(samples):
+        if current and size + len(s.ids) > tokens:
+            batches.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += len(s.ids)
+    return batches + [current] if current else batches
+
+
+@torch.inference_mode()
+def extract(
+    target: LlamaForCausalLM,
+    samples: list[Sample],
+    layers: tuple[int, ...],
+    normed: bool,
+    tokens_per_batch: int = 4096,
+    store_dtype: torch.dtype = torch.bfloat16,
+) -> list[TargetView]:
+    """Teacher-forced target pass over every sample. `layers`/`normed` as the drafter's
+    `target_features` (EAGLE-3: outputs of three layers; EAGLE: the final normed state)."""
+    device = target.embed_tokens.weight.device
+    batches = _batches(samples, tokens_per_batch)
+    blocks = max(sum(-(-len(samples[i].ids) // BLOCK) for i in b) for b in batches)
+    cache = KVCache(target.config, blocks, BLOCK, device, target.embed_tokens.weight.dtype)
+    views: list[TargetView] = []
+    for batch in tqdm(batches, desc="target features", unit="batch"):
+        spans, ids, positions, next_block = [], [], [], 0
+        for i in batch:
+            n = len(samples[i].ids)
+            table = list(range(next_block, next_block + -(-n // BLOCK)))
+            next_block += len(table)
+            spans.append(SequenceSpan(table, 0, n))
+            ids += samples[i].ids
+            positions += range(n)
+        meta = target.layers[0].self_attn.backend.prepare(spans, BLOCK, device)
+        final, aux = target(
+            torch.tensor(ids, device=device),
+            torch.tensor(positions, device=device),
+            cache.layers,
+            meta,
+            () if normed else layers,
+        )
+        features = final if normed else torch.cat(aux, dim=-1)
+        argmax = torch.cat([target.compute_logits(rows).argmax(-1) for rows in final.split(1024)])
+        start = 0
+        for i in batch:
+            end = start + len(samples[i].ids)
+            views.append(
+                TargetView(
+                    features[start:end].to(store_dtype).cpu(),
+                    final[start:end].to(store_dtype).cpu(),
+                    argmax[start:end].cpu(),
+                )
+            )
+            start = end
+    return views
+
+
+def capture_layers(layers: tuple[int, ...], normed: bool, num_layers: int) -> tuple[int, ...]:
+    """Target layers to keep while generating answers: the head's, then the last one (its
+    normed output gives the labels, and EAGLE's feature)."""
+    return (() if normed else layers) + (num_layers - 1,)
+
+
+@torch.no_grad()
+def from_capture(
+    target: LlamaForCausalLM, sample: Sample, raw: torch.Tensor, normed: bool
+) -> TargetView:
+    """The view of a self-distilled sample from the layers kept while it was generated. Its
+    tokens after the prompt are the target's greedy choices, so they are the argmax."""
+    hidden = target.config.hidden_size
+    final = target.norm(raw[:, -hidden:].float()).to(raw.dtype)
+    features = final if normed else raw[:, :-hidden]
+    return TargetView(features, final, torch.tensor([*sample.ids[1:], 0]))

@@ -1,0 +1,338 @@
+"""`specmesh train-draft`: data, target features, draft vocabulary, training, checkpoint.
+
+Every stage keeps its result under `--out`, so a stopped run resumes: generated answers
+(`data/self_distill.jsonl`), the training state (`train_state.pt`, every `--save-every`
+steps) and the head itself, written in the published layout that
+`--speculative-draft-model-path` loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from shared.config import model_option, option, resolve_device
+from shared.engine.engine import EngineConfig, LLMEngine
+from shared.model.config import ModelConfig
+from shared.model.fetch import resolve_model
+from shared.model.llama import LlamaForCausalLM
+from shared.model.loader import load_model
+from shared.speculative.drafter import target_feature_layers
+from shared.speculative.eagle import EagleHead, HeadSpec, save_head
+from shared.tokenizer import Tokenizer
+from shared.training.data import Sample, read_captured, read_local, read_samples, self_distill
+from shared.training.eagle_trainer import (
+    acceptance_length,
+    collate,
+    lr_at,
+    make_batches,
+    unrolled_loss,
+)
+from shared.training.features import TargetView, capture_layers, extract, from_capture
+from shared.training.prompts import training_prompts
+
+log = logging.getLogger(__name__)
+TRAINABLE = ("EAGLE3", "EAGLE")
+
+
+@dataclass
+class TrainDraftConfig:
+    """Each field is also a `specmesh train-draft` option."""
+
+    algorithm: str = option("EAGLE3", "drafter to train: EAGLE3 or EAGLE")
+    target: str | None = model_option()
+    out: str | None = option(None, "output directory (the head, plus resumable work files)")
+    data: str | None = option(
+        None,
+        "extra local data: comma-separated .jsonl conversation "
+        "files (OpenAI messages / ShareGPT) or plain text files",
+    )
+    num_prompts: int | None = option(None, "built-in prompts to self-distill (default: all)")
+    max_new_tokens: int = option(256, "longest self-distilled answer")
+    max_len: int = option(1024, "longest training sequence, tokens")
+    generate_batch: int = option(96, "sequences generated at once")
+    draft_vocab_size: int = option(8192, "EAGLE-3 draft vocabulary: the most frequent targets")
+    ttt_steps: int = option(5, "draft steps unrolled in training (training-time test)")
+    root_fraction: float = option(
+        0.25, "fraction of each sample's positions unrolled as drafting roots per step"
+    )
+    epochs: float = option(2.0, "passes over the training data")
+    lr: float = option(5e-4, "peak learning rate (AdamW, warm-up then cosine)")
+    batch_tokens: int = option(4096, "tokens per optimizer step")
+    heldout: float = option(0.03, "fraction of samples kept apart to measure acceptance")
+    eval_every: int = option(200, "optimizer steps between held-out evaluations")
+    save_every: int = option(100, "optimizer steps between resumable checkpoints")
+    minutes: float | None = option(None, "stop training after this many minutes")
+    seed: int = option(0, "seed for prompt order, the held-out split, init and batches")
+    device: str | None = option(None, "cpu or cuda (default: cuda when available)")
+
+    def checked(self) -> TrainDraftConfig:
+        self.algorithm = self.algorithm.upper()
+        if self.algorithm not in TRAINABLE:
+            raise ValueError(f"--algorithm must be one of {TRAINABLE}, got {self.algorithm!r}")
+        if not self.out:
+            raise ValueError("--out is required: the directory the head is written to")
+        for path in self.data_files:
+            if not path.is_file():
+                raise ValueError(f"--data {path}: no such file")
+        if self.ttt_steps < 1 or self.epochs <= 0 or not 0 < self.heldout < 1:
+            raise ValueError("--ttt-steps must be >= 1, --epochs > 0, --heldout in (0, 1)")
+        if not 0 < self.root_fraction <= 1:
+            raise ValueError("--root-fraction must be in (0, 1]")
+        return self
+
+    @property
+    def data_files(self) -> list[Path]:
+        return [Path(p) for p in (self.data or "").split(",") if p]
+
+
+def gather_samples(
+    cfg: TrainDraftConfig, target_dir: Path, tokenizer: Tokenizer, layers: tuple[int, ...]
+) -> tuple[list[Sample], list[torch.Tensor | None]]:
+    """Self-distilled answers (generated now, or resumed) plus local data, and per sample
+    the target layers kept while it was generated (None: to be computed)."""
+    local = [s for f in cfg.data_files for s in read_local(f, tokenizer, cfg.max_len)]
+    prompts = training_prompts(cfg.seed)[: cfg.num_prompts]
+    work = Path(cfg.out) / "data" / "self_distill.jsonl"
+    work.parent.mkdir(parents=True, exist_ok=True)
+    if prompts and len(read_samples(work)) < len(prompts):
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(target_dir),
+                device=cfg.device,
+                kv_cache_gb=3.0,
+                max_num_seqs=cfg.generate_batch,
+                max_num_batched_tokens=1024,
+            )
+        )
+        self_distill(engine, tokenizer, prompts, work, cfg.max_new_tokens, layers)
+        del engine
+    distilled = read_samples(work)[: len(prompts)]
+    captured = read_captured(work, layers, len(distilled)) + [None] * len(local)
+    keep = [i for i, s in enumerate(distilled + local) if len(s.ids) >= 2 and s.spans]
+    return [(distilled + local)[i] for i in keep], [captured[i] for i in keep]
+
+
+def target_views(
+    target: LlamaForCausalLM,
+    samples: list[Sample],
+    captured: list[torch.Tensor | None],
+    layers: tuple[int, ...],
+    normed: bool,
+) -> list[TargetView]:
+    """Views from what generation kept; a teacher-forced pass for the rest."""
+    missing = [i for i, c in enumerate(captured) if c is None]
+    computed = dict(
+        zip(
+            missing,
+            extract(target, [samples[i] for i in missing], layers, normed) if missing else [],
+            strict=True,
+        )
+    )
+    return [
+        computed[i] if c is None else from_capture(target, samples[i], c, normed)
+        for i, (s, c) in enumerate(zip(samples, captured, strict=True))
+    ]
+
+
+def draft_vocab(
+    samples: list[Sample], views: list[TargetView], size: int, vocab: int
+) -> torch.Tensor:
+    """The `size` target ids most often chosen at learned positions, ascending (SpecForge's
+    rule; padded with the lowest unused ids when fewer occur)."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for sample, view in zip(samples, views, strict=True):
+        for start, end in sample.spans:
+            counts += torch.bincount(view.argmax[max(start - 1, 0) : end - 1], minlength=vocab)
+    top = counts.topk(min(size, vocab)).indices
+    return top.sort().values
+
+
+def new_head(
+    target: LlamaForCausalLM, eagle3: bool, draft_ids: torch.Tensor | None, seed: int
+) -> tuple[EagleHead, ModelConfig]:
+    """A head shaped like one target layer. It starts near the target's own prediction:
+    `fc` passes the last feature it reads through, and EAGLE-3's output norm and LM head
+    are the target's (restricted to the draft vocabulary)."""
+    torch.manual_seed(seed)
+    tcfg = target.config
+    cfg = dataclasses.replace(
+        tcfg,
+        architecture="LlamaForCausalLM",
+        num_layers=1,
+        qkv_bias=False,
+        o_proj_bias=False,
+        mlp_bias=False,
+    )
+    head = EagleHead(cfg, eagle3, tcfg.hidden_size, len(draft_ids) if eagle3 else tcfg.vocab_size)
+    for name, p in head.named_parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02)
+        elif name.endswith("bias"):
+            torch.nn.init.zeros_(p)
+    with torch.no_grad():  # fc starts by passing the last feature through (nearest the output)
+        hidden = tcfg.hidden_size
+        head.fc.weight[:, -hidden:] += torch.eye(hidden)
+    if eagle3:
+        with torch.no_grad():
+            head.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
+            head.norm.weight.copy_(target.norm.weight)
+            head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+    return head, cfg
+
+
+@torch.no_grad()
+def evaluate(head, target, samples, views, batches, cfg, draft_ids, device) -> tuple[float, float]:
+    """Held-out (loss, acceptance length of greedy chain drafting over ttt_steps)."""
+    head.eval()
+    losses, corrects, valids = [], [], []
+    for idx in batches:
+        r = unrolled_loss(
+            head, target, collate(samples, views, idx, device), cfg.ttt_steps, draft_ids
+        )
+        losses.append(r.loss.item())
+        corrects.append(r.correct)
+        valids.append(r.valid)
+    head.train()
+    return sum(losses) / max(1, len(losses)), acceptance_length(
+        torch.cat(corrects), torch.cat(valids)
+    )
+
+
+def train_draft(cfg: TrainDraftConfig) -> Path:
+    """Run every stage; returns the directory of the trained head."""
+    cfg = cfg.checked()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(cfg.device)
+    target_dir = resolve_model(cfg.target)
+    tokenizer = Tokenizer(target_dir)
+    num_layers = ModelConfig.from_file(target_dir / "config.json").num_layers
+    layers, normed = target_feature_layers(cfg.algorithm, num_layers)
+    samples, captured = gather_samples(
+        cfg, target_dir, tokenizer, capture_layers(layers, normed, num_layers)
+    )
+    if len(samples) < 2:
+        raise ValueError("not enough training data: give --num-prompts > 1 or --data")
+    target = load_model(target_dir, device, torch.float32).requires_grad_(False)
+    eagle3 = cfg.algorithm == "EAGLE3"
+    views = target_views(target, samples, captured, layers, normed)
+    order = list(range(len(samples)))
+    random.Random(cfg.seed).shuffle(order)
+    n_held = max(1, int(len(samples) * cfg.heldout))
+    held, train = order[:n_held], order[n_held:]
+    draft_ids = None
+    if eagle3:
+        train_samples = [samples[i] for i in train]
+        draft_ids = draft_vocab(
+            train_samples, [views[i] for i in train], cfg.draft_vocab_size, target.config.vocab_size
+        ).to(device)
+    head, hcfg = new_head(target, eagle3, draft_ids, cfg.seed)
+    head.to(device).train()
+    spec = HeadSpec(hcfg, len(draft_ids) if eagle3 else hcfg.vocab_size, (layers, normed))
+
+    train_batches = lambda epoch: make_batches(  # noqa: E731
+        [samples[i] for i in train], [views[i] for i in train], cfg.batch_tokens, cfg.seed + epoch
+    )
+    held_batches = make_batches(
+        [samples[i] for i in held], [views[i] for i in held], cfg.batch_tokens, cfg.seed
+    )
+    held_s, held_v = [samples[i] for i in held], [views[i] for i in held]
+    train_s, train_v = [samples[i] for i in train], [views[i] for i in train]
+    per_epoch = len(train_batches(0))
+    total = max(1, int(per_epoch * cfg.epochs))
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    state_path = out / "train_state.pt"
+    step, history = 0, []
+    if state_path.exists():
+        state = torch.load(state_path, map_location=device, weights_only=False)
+        if state["config"] != asdict(cfg) | {"minutes": state["config"]["minutes"]}:
+            raise ValueError(
+                f"{state_path} was written with other options; remove it to start over"
+            )
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["optimizer"])
+        step, history = state["step"], state["history"]
+        log.info("resuming at step %d of %d", step, total)
+
+    def save_state() -> None:
+        torch.save(
+            {
+                "config": asdict(cfg),
+                "head": head.state_dict(),
+                "optimizer": opt.state_dict(),
+                "step": step,
+                "history": history,
+            },
+            state_path,
+        )
+
+    held_loss, held_acc = evaluate(
+        head, target, held_s, held_v, held_batches, cfg, draft_ids, device
+    )
+    if not history:
+        history.append({"step": 0, "heldout_loss": held_loss, "heldout_acceptance": held_acc})
+    log.info("held-out at step %d: loss %.3f, acceptance length %.3f", step, held_loss, held_acc)
+    generator = torch.Generator(device).manual_seed(cfg.seed + step)
+    started = time.monotonic()
+    bar = tqdm(total=total, initial=step, desc=f"train {cfg.algorithm}", unit="step")
+    while step < total:
+        epoch, within = divmod(step, per_epoch)
+        idx = train_batches(epoch)[within]
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, total, cfg.lr)
+        result = unrolled_loss(
+            head,
+            target,
+            collate(train_s, train_v, idx, device),
+            cfg.ttt_steps,
+            draft_ids,
+            cfg.root_fraction,
+            generator,
+        )
+        opt.zero_grad(set_to_none=True)
+        result.loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+        opt.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{result.loss.item():.3f}", heldout_acc=f"{held_acc:.2f}")
+        timed_out = cfg.minutes is not None and time.monotonic() - started > cfg.minutes * 60
+        if step % cfg.eval_every == 0 or step == total or timed_out:
+            held_loss, held_acc = evaluate(
+                head, target, held_s, held_v, held_batches, cfg, draft_ids, device
+            )
+            history.append(
+                {"step": step, "heldout_loss": held_loss, "heldout_acceptance": held_acc}
+            )
+            log.info(
+                "step %d: held-out loss %.3f, acceptance length %.3f", step, held_loss, held_acc
+            )
+        if step % cfg.save_every == 0 or step == total or timed_out:
+            save_state()
+        if timed_out:
+            log.info("--minutes %s reached at step %d of %d", cfg.minutes, step, total)
+            break
+    bar.close()
+    head_dir = out / "head"
+    save_head(head.cpu().eval(), head_dir, target.config, spec)
+    report = {
+        "algorithm": cfg.algorithm,
+        "options": asdict(cfg),
+        "samples": len(samples),
+        "train_tokens": sum(len(s.ids) for s in train_s),
+        "steps": step,
+        "total_steps": total,
+        "history": history,
+        "heldout_acceptance": history[-1]["heldout_acceptance"],
+    }
+    (head_dir / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+    return head_dir

@@ -1,0 +1,228 @@
+"""specmesh train-draft: a tiny head learns, loads, drafts losslessly; bad input fails early."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from shared.engine.engine import EngineConfig, LLMEngine
+from shared.model.config import ModelConfig
+from shared.sampling.params import SamplingParams
+from shared.speculative.config import SpeculativeConfig
+from shared.speculative.eagle import EagleHead, HeadSpec, read_head_spec, save_head
+from shared.tokenizer import Tokenizer
+from shared.training.prompts import TOPICS, training_prompts
+from shared.training.train_draft import TrainDraftConfig, train_draft
+
+HELDOUT = Path(__file__).parents[1] / "benchmarks" / "prompts" / "chat_heldout.json"
+
+
+def tiny_target(path: Path, smollm_dir: Path) -> Path:
+    """An 8-layer random Llama with SmolLM2's tokenizer and chat template."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm_dir / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("train")
+    target = tiny_target(root / "target", smollm_dir)
+    cfg = TrainDraftConfig(
+        target=str(target),
+        out=str(root / "out"),
+        num_prompts=96,
+        max_new_tokens=24,
+        draft_vocab_size=1024,
+        ttt_steps=3,
+        epochs=6,
+        lr=3e-3,
+        batch_tokens=1024,
+        heldout=0.15,
+        eval_every=1000,
+        seed=1,
+    )
+    return target, train_draft(cfg)
+
+
+def test_a_tiny_head_learns_and_drafts_losslessly(trained: tuple[Path, Path]) -> None:
+    target, head = trained
+    report = json.loads((head / "training.json").read_text())
+    first, last = report["history"][0], report["history"][-1]
+    assert last["heldout_acceptance"] > first["heldout_acceptance"] + 0.5, report["history"]
+    spec = read_head_spec(head, True, ModelConfig.from_file(target / "config.json"))
+    assert spec.draft_vocab == 1024 and spec.target_features == ((1, 3, 4), False)
+
+    tok = Tokenizer(target)
+    prompts = [
+        tok.encode_chat([{"role": "user", "content": p}])
+        for p in ["Tell me about owls.", "What is a prime number?", "Name three rivers."]
+    ]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    plain = LLMEngine(EngineConfig(model=str(target), kv_cache_gb=0.05)).generate(prompts, greedy)
+    spec_cfg = SpeculativeConfig(
+        speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head)
+    )
+    engine = LLMEngine(EngineConfig(model=str(target), kv_cache_gb=0.05), spec_cfg)
+    assert engine.generate(prompts, greedy) == plain
+    assert engine.speculator.stats.acceptance_length > 1.2
+
+
+def test_the_training_run_resumes_from_its_state(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    target, head = trained
+    out = head.parent
+    cfg = TrainDraftConfig(
+        target=str(target),
+        out=str(out),
+        num_prompts=96,
+        max_new_tokens=24,
+        draft_vocab_size=1024,
+        ttt_steps=3,
+        epochs=6,
+        lr=3e-3,
+        batch_tokens=1024,
+        heldout=0.15,
+        eval_every=1000,
+        seed=1,
+    )
+    before = (head / "model.safetensors").read_bytes()
+    train_draft(cfg)  # finished state: nothing left to train, the same head again
+    assert (head / "model.safetensors").read_bytes() == before
+    with pytest.raises(ValueError, match="other options"):
+        train_draft(TrainDraftConfig(**{**cfg.__dict__, "lr": 1e-3}))
+
+
+def test_bad_training_input_fails_before_loading(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n')
+    with pytest.raises(ValueError, match="algorithm"):
+        train_draft(TrainDraftConfig(algorithm="MEDUSA", out=str(tmp_path)))
+    with pytest.raises(ValueError, match="no such file"):
+        train_draft(TrainDraftConfig(out=str(tmp_path), data=str(tmp_path / "missing.jsonl")))
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        train_draft(TrainDraftConfig(out=str(tmp_path), data=str(bad), num_prompts=0))
+
+
+def test_heldout_chat_prompts_share_no_topic_with_training() -> None:
+    heldout = json.loads(HELDOUT.read_text())
+    assert len(heldout) >= 16
+    training = set(training_prompts())
+    for prompt in heldout:
+        assert prompt not in training
+        assert not [t for t in TOPICS if re.search(rf"\b{re.escape(t)}\b", prompt, re.I)], prompt
+
+
+@pytest.fixture()
+def head_dir(tmp_path: Path, smollm_dir: Path) -> tuple[Path, ModelConfig]:
+    """A (random) EAGLE-3 head for SmolLM2-135M written by save_head."""
+    target = ModelConfig.from_file(smollm_dir / "config.json")
+    cfg = dataclasses.replace(target, num_layers=1)
+    head = EagleHead(cfg, True, target.hidden_size, 64)
+    head.d2t.copy_(torch.arange(64) * 7)
+    spec = HeadSpec(cfg, 64, ((1, 14, 26), False))
+    save_head(head, tmp_path / "head", target, spec)
+    return tmp_path / "head", target
+
+
+def _edit_config(path: Path, **changes: object) -> None:
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def test_saved_heads_are_in_the_published_layout(head_dir: tuple[Path, ModelConfig]) -> None:
+    path, target = head_dir
+    names = set(load_file(path / "model.safetensors"))
+    assert {
+        "fc.weight",
+        "midlayer.self_attn.q_proj.weight",
+        "midlayer.mlp.gate_proj.weight",
+        "midlayer.hidden_norm.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+    } <= names
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
+    assert read_head_spec(path, True, target).draft_vocab == 64
+
+
+def test_heads_that_do_not_fit_the_target_fail_clearly(
+    head_dir: tuple[Path, ModelConfig],
+) -> None:
+    path, target = head_dir
+    _edit_config(path, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 14, 40]})
+    with pytest.raises(ValueError, match=r"reads target layers \[1, 14, 40\]"):
+        read_head_spec(path, True, target)
+    _edit_config(path, eagle_config=None, target_hidden_size=512)
+    with pytest.raises(ValueError, match="reads hidden size 512; the target's is 576"):
+        read_head_spec(path, True, target)
+    _edit_config(path, target_hidden_size=576, vocab_size=32000)
+    with pytest.raises(ValueError, match="vocab size 32000"):
+        read_head_spec(path, True, target)
+    _edit_config(path, vocab_size=target.vocab_size)
+    tensors = load_file(path / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if k != "d2t"}, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"lacks \['d2t'\]"):
+        read_head_spec(path, True, target)
+    with pytest.raises(ValueError, match="reads hidden size 576"):
+        read_head_spec(path, False, dataclasses.replace(target, hidden_size=960))
+
+
+def test_specmesh_up_refuses_a_bad_head_before_starting(
+    head_dir: tuple[Path, ModelConfig], smollm_dir: Path
+) -> None:
+    path, _ = head_dir
+    _edit_config(path, target_hidden_size=512)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--model",
+            str(smollm_dir),
+            "--speculative-algorithm",
+            "EAGLE3",
+            "--speculative-draft-model-path",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "reads hidden size 512; the target's is 576" in done.stderr
+    assert "specmesh is up" not in done.stdout
