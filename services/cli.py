@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 
 from services.decode.service import DecodeConfig
 from services.gateway.config import GatewayConfig
@@ -28,17 +27,14 @@ _UP_CONFIGS = {
 
 
 def _up(args: argparse.Namespace) -> None:
-    from shared.model.config import ModelConfig
     from shared.model.fetch import resolve_model
-    from shared.speculative.drafter import drafter_target_features
+    from shared.speculative.factory import drafter_target_features
 
     configs = Configs(**{name: dataclass_from_args(cls, args) for name, cls in _UP_CONFIGS.items()})
     configs.engine.model = str(resolve_model(configs.engine.model))  # fetch once, not per service
     if configs.spec.enabled:  # a bad combination or draft head fails before anything starts
         spec = configs.spec.resolved(configs.engine.model)
-        drafter_target_features(
-            spec, ModelConfig.from_file(Path(configs.engine.model) / "config.json")
-        )
+        drafter_target_features(spec, configs.engine.model)
     configs.__post_init__()
     sys.exit(Launcher(configs).run())
 

@@ -371,15 +371,21 @@ def test_unset_tree_options_are_chosen_automatically() -> None:
     assert cfg.speculative_eagle_topk == 1
 
 
+def hot_tokens(tmp_path: Path, answers: list[list[int]]) -> tuple[list[int], Path]:
+    """A reduced vocabulary holding the answers' tokens plus the first thousand ids, as a
+    token map file."""
+    keep = sorted({t for r in answers for t in r} | set(range(1000)))
+    token_map = tmp_path / "hot_tokens.json"
+    token_map.write_text(json.dumps(keep))
+    return keep, token_map
+
+
 def test_token_map_restricts_drafts_and_stays_lossless(
     smollm_dir: Path, tmp_path: Path, prompt_ids: list[list[int]], reference: list[list[int]]
 ) -> None:
     from shared.speculative.drafter import DraftRequest
 
-    # A reduced vocabulary holding the answers' tokens plus the first thousand ids.
-    keep = sorted({t for r in reference[:3] for t in r} | set(range(1000)))
-    token_map = tmp_path / "hot_tokens.json"
-    token_map.write_text(json.dumps(keep))
+    keep, token_map = hot_tokens(tmp_path, reference[:3])
     engine = spec_engine(
         smollm_dir,
         speculative_algorithm="STANDALONE",
@@ -397,9 +403,7 @@ def test_token_map_restricts_drafts_and_stays_lossless(
 def test_token_map_restricts_an_eagle3_heads_vocabulary(
     smollm_dir: Path, tmp_path: Path, prompt_ids: list[list[int]], reference: list[list[int]]
 ) -> None:
-    keep = sorted({t for r in reference[:3] for t in r} | set(range(1000)))
-    token_map = tmp_path / "hot_tokens.json"
-    token_map.write_text(json.dumps(keep))
+    keep, token_map = hot_tokens(tmp_path, reference[:3])
     engine = spec_engine(
         smollm_dir, speculative_algorithm="EAGLE3", speculative_token_map=str(token_map)
     )

@@ -40,7 +40,7 @@ from shared.protocol import (
 )
 from shared.service import EngineService, ServiceConfig
 from shared.speculative.config import SpeculativeConfig
-from shared.speculative.drafter import drafter_target_features
+from shared.speculative.factory import drafter_target_features
 from shared.speculative.tree import DraftTree
 from shared.telemetry import (
     ACTIVE_REQUESTS,
@@ -101,7 +101,7 @@ class DecodeService(EngineService):
         if self.spec is not None:
             mcfg = ModelConfig.from_file(Path(ecfg.model) / "config.json")
             self.client = DrafterClient(
-                drafter_target_features(self.spec, mcfg), mcfg.vocab_size, dcfg.draft_timeout
+                drafter_target_features(self.spec, ecfg.model), mcfg.vocab_size, dcfg.draft_timeout
             )
         self.engine = DecodeEngine(ecfg, self.spec, self.client, dcfg.overlap)
         fingerprint = model_fingerprint(self.engine.model, ecfg.block_size)

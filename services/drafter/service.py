@@ -34,7 +34,8 @@ from shared.protocol import (
 )
 from shared.service import Service, ServiceConfig
 from shared.speculative.config import SpeculativeConfig
-from shared.speculative.drafter import DraftRequest, make_drafter
+from shared.speculative.drafter import DraftRequest
+from shared.speculative.factory import make_drafter
 from shared.telemetry import ACTIVE_REQUESTS, DRAFT_SECONDS
 
 T = TypeVar("T")

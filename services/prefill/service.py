@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from pathlib import Path
 
 import torch
 
@@ -21,12 +20,11 @@ from shared.engine.engine import EngineConfig, LLMEngine
 from shared.engine.sequence import RemotePrefix, Sequence
 from shared.engine.speculation import SpecStats
 from shared.kvcache.exchange import KVExchange, feature_tag, model_fingerprint
-from shared.model.config import ModelConfig
 from shared.model.fetch import resolve_model
 from shared.protocol import PREFILL, Heartbeat, PrefillReply, PrefillRequest, RemoteError
 from shared.service import EngineService, ServiceConfig
 from shared.speculative.config import SpeculativeConfig
-from shared.speculative.drafter import drafter_target_features
+from shared.speculative.factory import drafter_target_features
 from shared.telemetry import (
     ACTIVE_REQUESTS,
     KV_BLOCKS_FREE,
@@ -102,8 +100,7 @@ class PrefillService(EngineService):
         ecfg.model = str(resolve_model(ecfg.model))
         features: tuple[tuple[int, ...], bool] = ((), False)
         if spec.enabled:
-            mcfg = ModelConfig.from_file(Path(ecfg.model) / "config.json")
-            features = drafter_target_features(spec.resolved(ecfg.model), mcfg)
+            features = drafter_target_features(spec.resolved(ecfg.model), ecfg.model)
         self.transport = tcfg.open()
         self.engine = PrefillEngine(ecfg, self.transport, tcfg.kv_ttl, features)
         self.driver = AsyncEngine(self.engine, own_thread=False)

@@ -22,7 +22,8 @@ from shared.kvcache.kv_cache import KVCache
 from shared.model.loader import load_model
 from shared.sampling.params import SamplingParams
 from shared.speculative.config import SpeculativeConfig
-from shared.speculative.drafter import Drafter, make_drafter
+from shared.speculative.drafter import Drafter
+from shared.speculative.factory import make_drafter
 from shared.speculative.tree import DraftTree
 
 log = logging.getLogger(__name__)

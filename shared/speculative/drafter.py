@@ -1,4 +1,4 @@
-"""The drafter interface every algorithm implements, and the factory that picks one.
+"""The drafter interface every algorithm implements (`factory.py` picks one).
 
 A drafter keeps per-request state. Each decode step the engine tells it which
 tokens were accepted since the last step and how many draft nodes it may spend,
@@ -12,14 +12,10 @@ from __future__ import annotations
 import abc
 from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from shared.model.config import ModelConfig
-from shared.model.llama import LlamaForCausalLM
-from shared.speculative.config import SpeculativeConfig
 from shared.speculative.tree import DraftTree
 
 
@@ -70,35 +66,3 @@ def target_feature_layers(algorithm: str, num_layers: int) -> tuple[tuple[int, .
     if algorithm == "EAGLE":
         return (num_layers - 1,), True
     return (), False
-
-
-def drafter_target_features(
-    cfg: SpeculativeConfig, target: ModelConfig
-) -> tuple[tuple[int, ...], bool]:
-    """The target layers the drafter of `cfg` (resolved) reads; checks that an EAGLE head's
-    checkpoint fits `target` (ValueError otherwise) without loading its weights."""
-    algo = cfg.speculative_algorithm
-    if algo not in ("EAGLE", "EAGLE3"):
-        return (), False
-    from shared.speculative.eagle import read_head_spec
-
-    path = Path(cfg.speculative_draft_model_path or "")
-    return read_head_spec(path, algo == "EAGLE3", target).target_features
-
-
-def make_drafter(cfg: SpeculativeConfig, target: LlamaForCausalLM | None) -> Drafter:
-    """The drafter `cfg` names; model drafters need the target (NGRAM does not)."""
-    algo = cfg.speculative_algorithm
-    if algo == "NGRAM":
-        from shared.speculative.ngram import NgramDrafter
-
-        return NgramDrafter(cfg)
-    if algo == "STANDALONE":
-        from shared.speculative.standalone import DraftModelDrafter
-
-        assert target is not None
-        return DraftModelDrafter(cfg, target)
-    from shared.speculative.eagle import EagleDrafter
-
-    assert target is not None
-    return EagleDrafter(cfg, target)

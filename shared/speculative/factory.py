@@ -1,0 +1,39 @@
+"""Which drafter a speculative config names, and which target features it reads.
+
+Above the drafters, so that the interface module (`drafter.py`) imports none of them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shared.model.config import ModelConfig
+from shared.model.llama import LlamaForCausalLM
+from shared.speculative.config import SpeculativeConfig
+from shared.speculative.drafter import Drafter
+from shared.speculative.eagle import EagleDrafter, read_head_spec
+from shared.speculative.ngram import NgramDrafter
+from shared.speculative.standalone import DraftModelDrafter
+
+
+def drafter_target_features(cfg: SpeculativeConfig, model_dir: str) -> tuple[tuple[int, ...], bool]:
+    """The target layers the drafter of `cfg` (resolved) reads from the target in
+    `model_dir`; checks that an EAGLE head fits that target (ValueError otherwise) from
+    the configs alone, without loading any weights."""
+    algo = cfg.speculative_algorithm
+    if algo not in ("EAGLE", "EAGLE3"):
+        return (), False
+    target = ModelConfig.from_file(Path(model_dir) / "config.json")
+    path = Path(cfg.speculative_draft_model_path or "")
+    return read_head_spec(path, algo == "EAGLE3", target).target_features
+
+
+def make_drafter(cfg: SpeculativeConfig, target: LlamaForCausalLM | None) -> Drafter:
+    """The drafter `cfg` names; model drafters need the target (NGRAM does not)."""
+    algo = cfg.speculative_algorithm
+    if algo == "NGRAM":
+        return NgramDrafter(cfg)
+    assert target is not None
+    if algo == "STANDALONE":
+        return DraftModelDrafter(cfg, target)
+    return EagleDrafter(cfg, target)
