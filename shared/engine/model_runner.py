@@ -10,7 +10,7 @@ import torch
 from shared.engine.sequence import Sequence
 from shared.kvcache.kv_cache import KVCache
 from shared.model.attention import SequenceSpan
-from shared.model.llama import LlamaForCausalLM
+from shared.model.llama import LlamaForCausalLM, pack_linears
 from shared.sampling.sampler import SampleOutput, Sampler, position_generator
 from shared.speculative.tree import DraftTree
 
@@ -25,6 +25,7 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache) -> None:
+        pack_linears(model)  # a runner only infers
         self.model = model
         self.kv_cache = kv_cache
         self.device = model.embed_tokens.weight.device

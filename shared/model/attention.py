@@ -34,7 +34,7 @@ class AttentionMetadata:
     # Sequences with one causal new token (decode) attend in one padded batch.
     decode_rows: torch.Tensor | None  # [Bd] indices into the T new tokens
     decode_slots: torch.Tensor | None  # [Bd, max_ctx] context slots, padded
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_ctx] True = attend
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_ctx] True = attend; None = all
     # Every other sequence attends on its own: (first row, rows, context slots, mask [q, ctx]).
     extends: list[tuple[int, int, torch.Tensor, torch.Tensor]]
 
@@ -102,7 +102,8 @@ class TorchAttention:
             mask = torch.arange(padded.shape[1])[None, :] < lengths[:, None]
             meta.decode_rows = torch.tensor(decode_rows, device=device)
             meta.decode_slots = padded.to(device)
-            meta.decode_mask = mask[:, None, None, :].to(device)
+            if not mask.all():  # sequences of one length need no mask
+                meta.decode_mask = mask[:, None, None, :].to(device)
         return meta
 
     def forward(

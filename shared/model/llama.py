@@ -16,26 +16,47 @@ from shared.model.attention import AttentionBackend, AttentionMetadata
 from shared.model.config import ModelConfig
 from shared.model.rope import apply_rope, rope_cos_sin
 
-# Up to this many rows, a CPU matmul runs as weight @ x.T (see Linear).
-SMALL_BATCH_ROWS = 32
+# oneDNN lays a packed weight out for batches of about this many rows. Packed, its
+# kernels stream the weight at the memory's read bandwidth up to ~8 rows, where MKL
+# slows past 2, and beat MKL at prefill sizes too (docs/benchmarks.md).
+PACKED_BATCH_HINT = 8
+# Fewer rows than this are padded up to it: oneDNN's one- and two-row kernels stream
+# the weight ~15% slower than its four-row one.
+PACKED_MIN_ROWS = 4
 
 
 class Linear(nn.Linear):
-    """nn.Linear, with a faster CPU path for the few-row batches of decode and verification.
+    """nn.Linear that, once packed for inference, multiplies with a oneDNN-packed weight on CPU."""
 
-    MKL streams a row-major [out, in] weight much faster as the left operand of a GEMM
-    with few columns than as the transposed right operand nn.Linear passes: measured on
-    SmolLM2-135M, a whole forward's matmuls take ~20 ms instead of ~34 ms for 1 row and
-    ~36 ms instead of ~50 ms for 8 rows. A single row is doubled, since MKL sends a
-    one-column product down a slower GEMV path. Prefill-sized batches keep F.linear."""
+    packed: torch.Tensor | None = None
+
+    def pack(self, keep_weight: bool) -> None:
+        """Inference only (the packed path has no autograd). fp32 on CPU, where it is measured."""
+        weight = self.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return
+        if not torch.backends.mkldnn.is_available():
+            return
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_BATCH_HINT)
+        if not keep_weight:
+            self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if x.device.type != "cpu" or rows > SMALL_BATCH_ROWS:
+        if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        columns = (x if rows > 1 else x.repeat(2, 1)).t()
-        y = (self.weight @ columns)[:, :rows].t().contiguous()
-        return y if self.bias is None else y + self.bias
+        rows = x.shape[0]
+        if rows < PACKED_MIN_ROWS:
+            x = torch.cat([x, x.new_zeros(PACKED_MIN_ROWS - rows, x.shape[1])])
+        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return y[:rows]
+
+
+def pack_linears(model: nn.Module) -> None:
+    """Pack every Linear of an inference-only model. LM heads keep their plain weight too:
+    a tied embedding shares it, and token maps select rows of it."""
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and module.packed is None:
+            module.pack(keep_weight=name.endswith("lm_head"))
 
 
 class RMSNorm(nn.Module):
@@ -45,8 +66,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Spelled out rather than F.rms_norm: several times faster on CPU for small batches.
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -75,10 +95,13 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # q and k heads side by side [T, H + KVH, D]: one rotation for both
+        qk = qkv[:, : self.q_size + self.kv_size].view(
+            -1, self.num_heads + self.num_kv_heads, self.head_dim
+        )
+        q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.backend.forward(q, k, v, *kv_cache, meta))
 
 

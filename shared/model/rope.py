@@ -63,7 +63,8 @@ def rope_cos_sin(
     max_positions: int,
     scaling: dict[str, Any] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tables [max_positions, head_dim] of cos and sin (HF half-rotation layout)."""
+    """Tables [max_positions, 1, head_dim] of cos and sin (HF half-rotation layout), sin
+    negated in its first half so that apply_rope rotates with one roll."""
     inv_freq = _inv_freq(head_dim, theta)
     mscale = 1.0
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
@@ -77,11 +78,12 @@ def rope_cos_sin(
         raise ValueError(f"unsupported rope scaling type {kind!r}")
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos() * mscale, emb.sin() * mscale
+    sin = emb.sin() * mscale
+    sin[:, : head_dim // 2].neg_()
+    return (emb.cos() * mscale)[:, None], sin[:, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos/sin: [T, head_dim] already gathered by position."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    """x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim] from rope_cos_sin, by position.
+    x * cos + rotate_half(x) * sin, where rotate_half(x) = [-x2, x1] = roll(x) * sign."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)

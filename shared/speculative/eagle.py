@@ -31,7 +31,7 @@ from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.kv_cache import KVCache
 from shared.model.attention import SequenceSpan, TorchAttention
 from shared.model.config import ModelConfig
-from shared.model.llama import MLP, Attention, Linear, LlamaForCausalLM, RMSNorm
+from shared.model.llama import MLP, Attention, Linear, LlamaForCausalLM, RMSNorm, pack_linears
 from shared.model.loader import checkpoint_names, copy_into, fused_slices, split_fused
 from shared.model.rope import rope_cos_sin
 from shared.speculative.config import SpeculativeConfig
@@ -271,6 +271,7 @@ class EagleDrafter(LocalDrafter):
         self.target = target
         self.target_features = spec.target_features
         self._vocab(cfg.speculative_token_map)
+        pack_linears(self.head)
         self.kv_cache = KVCache.for_memory(self.head.config, kv_cache_gb, block_size, device, dtype)
         self.blocks = BlockManager(self.kv_cache.num_blocks, block_size)
         self.num_steps = cfg.speculative_num_steps

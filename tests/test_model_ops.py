@@ -1,0 +1,57 @@
+"""The decoder's CPU fast paths compute what the plain formulas do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.model.llama import Linear, pack_linears
+from shared.model.rope import apply_rope, rope_cos_sin
+
+needs_onednn = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="oneDNN is not in this torch build"
+)
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 33, 300])
+def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    layer = Linear(96, 160, bias=bias)
+    weight = layer.weight.detach().clone()
+    expected_bias = layer.bias.detach().clone() if bias else None
+    x = torch.randn(rows, 96)
+    layer.pack(keep_weight=False)
+    assert layer.packed is not None and layer.weight is None
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.shape == (rows, 160)
+    torch.testing.assert_close(got, F.linear(x, weight, expected_bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_pack_linears_keeps_lm_heads_and_skips_other_dtypes() -> None:
+    model = nn.Module()
+    model.proj = Linear(8, 8)
+    model.lm_head = Linear(8, 16, bias=False)
+    model.bf16 = Linear(8, 8).to(torch.bfloat16)
+    pack_linears(model)
+    assert model.proj.packed is not None and model.proj.weight is None
+    assert model.lm_head.packed is not None and model.lm_head.weight is not None
+    assert model.bf16.packed is None and model.bf16.weight is not None
+
+
+def test_rope_matches_rotate_half() -> None:
+    """HF's x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1]."""
+    head_dim, positions = 64, torch.tensor([0, 5, 77])
+    cos, sin = rope_cos_sin(head_dim, 10000.0, 128, None)
+    x = torch.randn(3, 4, head_dim)
+    freqs = torch.outer(positions.float(), 1.0 / 10000.0 ** (torch.arange(0, 64, 2) / 64))
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    rotated = torch.cat([-x[..., 32:], x[..., :32]], dim=-1)
+    expected = x * emb.cos() + rotated * emb.sin()
+    got = apply_rope(x, cos[positions], sin[positions])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
