@@ -20,6 +20,8 @@ from shared.sampling.params import SamplingParams
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.eagle import EagleHead, HeadSpec, read_head_spec, save_head
 from shared.tokenizer import Tokenizer
+from shared.training.data import read_captured, read_samples, self_distill
+from shared.training.features import capture_layers, extract, from_capture
 from shared.training.prompts import TOPICS, training_prompts
 from shared.training.train_draft import TrainDraftConfig, train_draft
 
@@ -73,10 +75,37 @@ def tiny_config(target: Path, out: Path) -> TrainDraftConfig:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("train")
-    target = tiny_target(root / "target", smollm_dir)
-    return target, train_draft(tiny_config(target, root / "out"))
+def tiny(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
+    return tiny_target(tmp_path_factory.mktemp("target") / "target", smollm_dir)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, tiny: Path) -> tuple[Path, Path]:
+    return tiny, train_draft(tiny_config(tiny, tmp_path_factory.mktemp("train") / "out"))
+
+
+def test_sampled_answers_are_seeded_and_labelled_by_the_targets_argmax(
+    tiny: Path, tmp_path: Path
+) -> None:
+    tok = Tokenizer(tiny)
+    prompts = ["Tell me about owls.", "What is a prime number?", "Name three rivers."]
+    runs = []
+    for name in ("a", "b"):  # a fresh engine each: self_distill needs an empty prefix cache
+        engine = LLMEngine(EngineConfig(model=str(tiny), kv_cache_gb=0.05))
+        target = engine.model
+        layers = capture_layers((1, 3), False, target.config.num_layers)
+        self_distill(engine, tok, prompts, tmp_path / f"{name}.jsonl", 12, layers, 1.0, seed=3)
+        runs.append(read_samples(tmp_path / f"{name}.jsonl"))
+    assert [s.ids for s in runs[0]] == [s.ids for s in runs[1]]  # seeded
+    captured = read_captured(tmp_path / "a.jsonl", layers, len(prompts))
+    teacher = extract(target, runs[0], (1, 3), False)
+    sampled_off_argmax = False
+    for sample, raw, view in zip(runs[0], captured, teacher, strict=True):
+        got = from_capture(target, sample, raw, False, greedy=False)
+        start, end = sample.spans[0]
+        assert torch.equal(got.argmax[start - 1 : end - 1], view.argmax[start - 1 : end - 1])
+        sampled_off_argmax |= sample.ids[start:end] != view.argmax[start - 1 : end - 1].tolist()
+    assert sampled_off_argmax  # at temperature 1 the random target strays from its argmax
 
 
 def test_a_tiny_head_learns_and_drafts_losslessly(trained: tuple[Path, Path]) -> None:
@@ -122,6 +151,8 @@ def test_bad_training_input_fails_before_loading(tmp_path: Path) -> None:
         train_draft(TrainDraftConfig(algorithm="MEDUSA", out=str(tmp_path)))
     with pytest.raises(ValueError, match="no such file"):
         train_draft(TrainDraftConfig(out=str(tmp_path), data=str(tmp_path / "missing.jsonl")))
+    with pytest.raises(ValueError, match="temperature"):
+        train_draft(TrainDraftConfig(out=str(tmp_path), temperature=-1))
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
         train_draft(TrainDraftConfig(out=str(tmp_path), data=str(bad), num_prompts=0))
 

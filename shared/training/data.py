@@ -66,15 +66,18 @@ def self_distill(
     out: Path,
     max_tokens: int,
     layers: tuple[int, ...],
+    temperature: float = 0.0,
+    seed: int = 0,
     chunk: int = 384,
 ) -> None:
-    """Append the target's greedy answer to each prompt not yet in `out`, and keep the
+    """Append the target's answer (greedy, or sampled at `temperature` with a seed per
+    prompt from `seed`) to each prompt not yet in `out`, and keep the
     outputs of target `layers` at every position as the engine computes them (so the
     answers need no second, teacher-forced pass): `features_path(out, start)` holds a
     chunk's `[len(ids), len(layers) * hidden]` bf16 tensors, its last row zero (the
-    final token is never forwarded)."""
+    final token is never forwarded). `engine` must be fresh: rows of prompt blocks it
+    serves from its prefix cache come from the sequences that computed them here."""
     done = len(read_samples(out))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     engine.runner.feature_layers, engine.runner.feature_normed = layers, False
     # Per request, a buffer of rows by position: one allocation each, as many small ones
     # interleaved with a step's temporaries fragment the heap (RSS grew ~10x the data).
@@ -95,6 +98,10 @@ def self_distill(
         batch = [
             tokenizer.encode_chat([{"role": "user", "content": p}])
             for p in prompts[start : start + chunk]
+        ]
+        params = [
+            SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed * 10**6 + i)
+            for i in range(start, start + len(batch))
         ]
         answers = engine.generate(batch, params)
         samples = [

@@ -96,11 +96,15 @@ def capture_layers(layers: tuple[int, ...], normed: bool, num_layers: int) -> tu
 
 @torch.no_grad()
 def from_capture(
-    target: LlamaForCausalLM, sample: Sample, raw: torch.Tensor, normed: bool
+    target: LlamaForCausalLM, sample: Sample, raw: torch.Tensor, normed: bool, greedy: bool
 ) -> TargetView:
-    """The view of a self-distilled sample from the layers kept while it was generated. Its
-    tokens after the prompt are the target's greedy choices, so they are the argmax."""
+    """The view of a self-distilled sample from the layers kept while it was generated.
+    Greedy answers' tokens are the target's argmax; sampled ones' come from the logits."""
     hidden = target.config.hidden_size
-    final = target.norm(raw[:, -hidden:].float()).to(raw.dtype)
-    features = final if normed else raw[:, :-hidden]
-    return TargetView(features, final, torch.tensor([*sample.ids[1:], 0]))
+    final = target.norm(raw[:, -hidden:].float())
+    features = final.to(raw.dtype) if normed else raw[:, :-hidden]
+    if greedy:
+        argmax = torch.tensor([*sample.ids[1:], 0])
+    else:
+        argmax = torch.cat([target.compute_logits(rows).argmax(-1) for rows in final.split(1024)])
+    return TargetView(features, final.to(raw.dtype), argmax)

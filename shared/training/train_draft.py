@@ -57,6 +57,11 @@ class TrainDraftConfig:
     )
     num_prompts: int | None = option(None, "built-in prompts to self-distill (default: all)")
     max_new_tokens: int = option(256, "longest self-distilled answer")
+    temperature: float = option(
+        0.0,
+        "sampling temperature of self-distilled answers (0: greedy); sampled answers loop "
+        "less and cover more of what the target says (SpecForge regenerates with sampling)",
+    )
     max_len: int = option(1024, "longest training sequence, tokens")
     generate_batch: int = option(96, "sequences generated at once")
     draft_vocab_size: int = option(8192, "EAGLE-3 draft vocabulary: the most frequent targets")
@@ -87,6 +92,8 @@ class TrainDraftConfig:
             raise ValueError("--ttt-steps must be >= 1, --epochs > 0, --heldout in (0, 1)")
         if not 0 < self.root_fraction <= 1:
             raise ValueError("--root-fraction must be in (0, 1]")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         return self
 
     @property
@@ -101,7 +108,9 @@ def gather_samples(
     the target layers kept while it was generated (None: to be computed)."""
     local = [s for f in cfg.data_files for s in read_local(f, tokenizer, cfg.max_len)]
     prompts = training_prompts(cfg.seed)[: cfg.num_prompts]
-    work = Path(cfg.out) / "data" / "self_distill.jsonl"
+    # Answers of another temperature are other data: each has its own file to resume.
+    suffix = f"-t{cfg.temperature:g}" if cfg.temperature else ""
+    work = Path(cfg.out) / "data" / f"self_distill{suffix}.jsonl"
     work.parent.mkdir(parents=True, exist_ok=True)
     if prompts and len(read_samples(work)) < len(prompts):
         engine = LLMEngine(
@@ -113,7 +122,9 @@ def gather_samples(
                 max_num_batched_tokens=1024,
             )
         )
-        self_distill(engine, tokenizer, prompts, work, cfg.max_new_tokens, layers)
+        self_distill(
+            engine, tokenizer, prompts, work, cfg.max_new_tokens, layers, cfg.temperature, cfg.seed
+        )
         del engine
     distilled = read_samples(work)[: len(prompts)]
     captured = read_captured(work, layers, len(distilled)) + [None] * len(local)
@@ -127,8 +138,10 @@ def target_views(
     captured: list[torch.Tensor | None],
     layers: tuple[int, ...],
     normed: bool,
+    greedy: bool,
 ) -> list[TargetView]:
-    """Views from what generation kept; a teacher-forced pass for the rest."""
+    """Views from what generation kept (`greedy`: its answers were greedy); a
+    teacher-forced pass for the rest."""
     missing = [i for i, c in enumerate(captured) if c is None]
     computed = dict(
         zip(
@@ -138,7 +151,7 @@ def target_views(
         )
     )
     return [
-        computed[i] if c is None else from_capture(target, samples[i], c, normed)
+        computed[i] if c is None else from_capture(target, samples[i], c, normed, greedy)
         for i, (s, c) in enumerate(zip(samples, captured, strict=True))
     ]
 
@@ -224,7 +237,7 @@ def train_draft(cfg: TrainDraftConfig) -> Path:
         raise ValueError("not enough training data: give --num-prompts > 1 or --data")
     target = load_model(target_dir, device, torch.float32).requires_grad_(False)
     eagle3 = cfg.algorithm == "EAGLE3"
-    views = target_views(target, samples, captured, layers, normed)
+    views = target_views(target, samples, captured, layers, normed, cfg.temperature == 0)
     order = list(range(len(samples)))
     random.Random(cfg.seed).shuffle(order)
     n_held = max(1, int(len(samples) * cfg.heldout))
