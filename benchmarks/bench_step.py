@@ -65,14 +65,9 @@ def seconds(fn: Callable[[], object], repeat: int = 5) -> float:
 def step_read_bytes(model: LlamaForCausalLM) -> int:
     """Bytes a decode step must stream: every matmul weight once (the embedding lookup
     reads a row; a tied LM head is counted as the matmul it is)."""
-    size = model.embed_tokens.weight.element_size()
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    norms = [
-        m.weight for m in model.modules() if isinstance(m, nn.Module) and "Norm" in type(m).__name__
-    ]
-    return size * (
-        sum(m.in_features * m.out_features for m in linears) + sum(w.numel() for w in norms)
-    )
+    size = model.embed_tokens.weight.element_size()
+    return size * sum(m.in_features * m.out_features for m in linears)
 
 
 class StepProbe:
