@@ -2,13 +2,15 @@
 
 Starts nats-server (and valkey for the Redis KV transport) on free loopback
 ports unless URLs are given, then the services; waits until every instance
-heartbeats and the gateway answers; prints the URL; on Ctrl-C or SIGTERM (or
-if any process dies) stops everything, services first.
+heartbeats and the gateway answers; prints the URL. From then on a process that
+dies is restarted (services/supervision.py); Ctrl-C or SIGTERM stops everything,
+services first. A process that dies while starting up stops the start.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,10 +19,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
+
+from prometheus_client import start_http_server
 
 from services.decode.service import DecodeConfig
 from services.drafter.service import DrafterConfig
 from services.gateway.config import GatewayConfig
+from services.supervision import Child, Server
 from services.tokenizer.service import TokenizerConfig
 from shared.bus import Bus, NatsAuth
 from shared.config import dataclass_argv, dataclass_secrets, option
@@ -99,8 +105,8 @@ def _child_setup(nice: int) -> Callable[[], None]:
 class Launcher:
     def __init__(self, configs: Configs) -> None:
         self.configs = configs
-        self.servers: list[ServerProcess] = []
-        self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.servers: list[Server] = []
+        self.children: dict[str, Child] = {}
 
     def run(self) -> int:
         try:
@@ -112,11 +118,9 @@ class Launcher:
         up, transport = self.configs.up, self.configs.transport
         nats_url = up.nats_url
         if nats_url is None:
-            self.servers.append(start_nats())
-            nats_url = self.servers[-1].url
+            nats_url = self._serve("nats-server", start_nats).url
         if transport.kv_transport == "redis" and transport.redis_url is None:
-            self.servers.append(start_valkey())
-            transport.redis_url = self.servers[-1].url
+            transport.redis_url = self._serve("valkey", start_valkey).url
         if transport.kv_namespace == DEFAULT_KV_NAMESPACE:
             # Deployments on one host must not share (or clean up) each other's blocks.
             transport.kv_namespace = f"{DEFAULT_KV_NAMESPACE}-{self.configs.gateway.port}"
@@ -142,21 +146,37 @@ class Launcher:
                 print(f"specmesh up: {dead or 'services did not start'}; stopping", flush=True)
                 return 1
             await asyncio.sleep(0.2)
+        await bus.close()  # heartbeats were only needed to see everyone start
         gateway = self.configs.gateway
         print(f"specmesh is up: http://{gateway.host}:{gateway.port}/v1", flush=True)
+        for server in self.servers:
+            print(f"  {server.name:<12} pid {server.server.proc.pid}  {server.server.url}")
         for instance in sorted(self.children):
             metrics = seen.get(instance)
-            print(f"  {instance:<12} pid {self.children[instance].pid}  {metrics or ''}")
+            print(f"  {instance:<12} pid {self.children[instance].proc.pid}  {metrics or ''}")
+        if up.metrics:  # restarts are counted here
+            server, _ = start_http_server(0, addr="127.0.0.1")
+            print(
+                f"  {'specmesh-up':<12} pid {os.getpid()}  "
+                f"http://127.0.0.1:{server.server_port}/metrics"
+            )
         sys.stdout.flush()
         while not stop.is_set():
-            dead = self._dead()
-            if dead:
-                print(f"specmesh up: {dead}; stopping", flush=True)
-                await bus.close()
-                return 1
-            await asyncio.sleep(0.5)
-        await bus.close()
+            now = time.monotonic()
+            for process in [*self.servers, *self.children.values()]:
+                process.supervise(now)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
         return 0
+
+    def _serve(self, name: str, start: Callable[..., ServerProcess]) -> ServerProcess:
+        """Start a server we supervise; a restart takes the same port (clients keep the URL)."""
+        server = start()
+        port = urlsplit(server.url).port
+        self.servers.append(
+            Server(name, name, time.monotonic(), launch=lambda: start(port), server=server)
+        )
+        return server
 
     def _start_services(self, nats_url: str) -> None:
         up = self.configs.up
@@ -179,35 +199,38 @@ class Launcher:
                 argv += ["--instance-id", instance, *self.configs.service_argv(kind)]
                 if up.metrics and kind != "gateway":  # the gateway serves /metrics itself
                     argv += ["--metrics-port", "0"]
-                self.children[instance] = subprocess.Popen(
-                    argv,
+                child = Child(
+                    instance,
+                    kind,
+                    argv=argv,
                     env={**env, **self.configs.service_env(kind)},
-                    # Our process group is left so that Ctrl-C reaches only us (we stop
-                    # them in order), our session is not: a session is a scheduling
-                    # group of its own (autogroup), across which niceness means nothing.
-                    process_group=0,
                     preexec_fn=_child_setup(up.decode_nice if kind == "decode" else 0),
                 )
+                child.start()
+                self.children[instance] = child
 
     def _dead(self) -> str | None:
-        for instance, proc in self.children.items():
-            if proc.poll() is not None:
-                return f"{instance} exited with code {proc.returncode}"
+        for instance, child in self.children.items():
+            code = child.poll()
+            if code is not None:
+                return f"{instance} exited with code {code}"
         return None
 
     def _stop_all(self) -> None:
-        for proc in self.children.values():
+        procs = [c.proc for c in self.children.values() if c.proc is not None]
+        for proc in procs:
             if proc.poll() is None:
                 proc.terminate()
         deadline = time.monotonic() + 15
-        for proc in self.children.values():
+        for proc in procs:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
         for server in reversed(self.servers):
-            server.stop()
+            if server.server is not None:
+                server.server.stop()
         transport = self.configs.transport
         if transport.kv_transport == "shm":
             from shared.transport.shm import ShmTransport

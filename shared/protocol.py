@@ -215,6 +215,7 @@ class Heartbeat:
     leaving: bool = False
     algorithm: str | None = None  # decode and drafters: the speculative algorithm
     max_model_len: int = 0  # decode: the longest prompt + output it runs
+    incarnation: str = ""  # new each process start: a restart under one id is news
 
 
 _MESSAGES: dict[str, type] = {

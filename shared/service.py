@@ -24,6 +24,7 @@ import queue
 import signal
 import socket
 import threading
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -94,6 +95,7 @@ class Service:
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
         self.instance_id = cfg.instance_id or f"{self.kind}-{socket.gethostname()}-{os.getpid()}"
+        self.incarnation = uuid.uuid4().hex[:12]
         self.metrics_url: str | None = None
         self._serving = False  # subscribed and heartbeating
         self.bus: Bus
@@ -109,6 +111,11 @@ class Service:
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(self.kind, self.instance_id, self.metrics_url)
+
+    def _heartbeat(self) -> Heartbeat:
+        beat = self.heartbeat()
+        beat.incarnation = self.incarnation
+        return beat
 
     def healthy(self) -> bool:
         """What /health reports: serving and connected to NATS (not while reconnecting)."""
@@ -178,11 +185,11 @@ class Service:
         self._io_loop = asyncio.get_running_loop()
         # Asleep between heartbeats: idle wake-ups take the cores from decode's forwards.
         while not self._stopping.is_set():
-            await self.bus.publish(subject, self.heartbeat())
+            await self.bus.publish(subject, self._heartbeat())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._io_stop.wait(), self.cfg.heartbeat_interval)
         self._serving = False
-        goodbye = self.heartbeat()
+        goodbye = self._heartbeat()
         goodbye.leaving = True
         await self.bus.publish(subject, goodbye)
         await self.stop()

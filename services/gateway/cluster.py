@@ -183,6 +183,10 @@ class Cluster:
 
     async def _on_heartbeat(self, hb: Heartbeat) -> None:
         instances = self.instances.setdefault(hb.kind, {})
+        known = instances.get(hb.instance_id)
+        if known is not None and known.heartbeat.incarnation != hb.incarnation:
+            log.warning("%s %s restarted", hb.kind, hb.instance_id)
+            self._drop(hb.kind, hb.instance_id)  # its requests died with the old process
         if hb.leaving:
             self._drop(hb.kind, hb.instance_id)
         else:

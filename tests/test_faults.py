@@ -1,0 +1,154 @@
+"""Faults injected into a running `specmesh up`: real processes, real NATS, loopback.
+
+A killed service is restarted by the launcher; what it had in flight costs at most
+its own requests (a drafter's cost nothing: decode goes on without drafts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from deployment import chat_text, heartbeats, sample, scrape, specmesh_up
+
+from shared.infra import start_nats
+
+PROMPTS = [
+    "Count from one to twenty in words.",
+    "List the days of the week.",
+    "Name the planets of the solar system.",
+    "Spell the word 'elephant' letter by letter.",
+]
+GREEDY = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
+
+
+class Deployment:
+    def __init__(self, url: str, log: Path, nats_url: str) -> None:
+        self.url, self.log, self.nats_url = url, log, nats_url
+
+    def pid(self, instance: str) -> int:
+        """The pid `specmesh up` printed for `instance` when it came up."""
+        match = re.search(rf"^\s+{instance}\s+pid (\d+)", self.log.read_text(), re.M)
+        assert match, self.log.read_text()
+        return int(match.group(1))
+
+    def launcher_metrics(self) -> str:
+        match = re.search(r"specmesh-up\s+pid \d+\s+(\S+)", self.log.read_text())
+        assert match, self.log.read_text()
+        return match.group(1)
+
+    def restarts(self, instance: str) -> float:
+        samples = scrape(self.launcher_metrics())
+        service = instance.rsplit("-", 1)[0]
+        name = "specmesh_service_restarts_total"
+        return sample(samples, name, service=service, instance_id=instance)
+
+    def wait_restarted(self, instance: str, incarnation: str, seconds: float = 60) -> None:
+        """Until `instance` heartbeats again under a new incarnation."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            beat = heartbeats(self.nats_url, 1.5).get(instance)
+            if beat is not None and beat.incarnation != incarnation:
+                return
+        raise AssertionError(f"{instance} did not come back in {seconds} s")
+
+
+@pytest.fixture(scope="module")
+def deployment(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    log = tmp_path_factory.mktemp("faults") / "up.log"
+    with (
+        start_nats() as bus,
+        specmesh_up(
+            smollm_dir, "--speculative-algorithm", "NGRAM", "--nats-url", bus.url, log=log
+        ) as url,
+    ):
+        yield Deployment(url, log, bus.url)
+
+
+def stream_until_done(url: str, prompt: str, first_chunk: threading.Event) -> tuple[str, dict]:
+    """Streams a greedy chat; sets `first_chunk` on the first content. Returns the text and
+    the error event, if the stream ended with one."""
+    body = {"messages": [{"role": "user", "content": prompt}], "stream": True, **GREEDY}
+    text, error = "", {}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = event["error"]
+                break
+            if event["choices"] and event["choices"][0]["delta"].get("content"):
+                text += event["choices"][0]["delta"]["content"]
+                first_chunk.set()
+    first_chunk.set()
+    return text, error
+
+
+def kill_mid_stream(d: Deployment, instance: str, prompts: list[str]) -> list[tuple[str, dict]]:
+    """Streams `prompts` at once, SIGKILLs `instance` once all have output, returns them."""
+    started = [threading.Event() for _ in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [
+            pool.submit(stream_until_done, d.url, p, e)
+            for p, e in zip(prompts, started, strict=True)
+        ]
+        for event in started:
+            assert event.wait(60), "no stream produced output"
+        os.kill(d.pid(instance), signal.SIGKILL)
+        killed = time.monotonic()
+        results = [f.result(timeout=60) for f in futures]
+    assert time.monotonic() - killed < 30
+    return results
+
+
+def test_a_killed_drafter_costs_no_request_anything(deployment: Deployment) -> None:
+    d = deployment
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        reference = list(pool.map(lambda p: chat_text(d.url, p, **GREEDY), PROMPTS))
+    incarnation = heartbeats(d.nats_url)["drafter-0"].incarnation
+    results = kill_mid_stream(d, "drafter-0", PROMPTS)
+    assert [error for _, error in results] == [{}] * len(PROMPTS)
+    assert [text for text, _ in results] == reference  # decode went on without drafts
+    d.wait_restarted("drafter-0", incarnation)
+    assert d.restarts("drafter-0") == 1
+    assert chat_text(d.url, PROMPTS[0], **GREEDY) == reference[0]
+
+
+def test_a_killed_decode_worker_fails_its_requests_clearly_then_serves_again(
+    deployment: Deployment,
+) -> None:
+    d = deployment
+    incarnation = heartbeats(d.nats_url)["decode-0"].incarnation
+    start = time.monotonic()
+    [(_, error)] = kill_mid_stream(d, "decode-0", PROMPTS[:1])
+    assert error and "decode" in error["message"], error  # the only worker: a clear error
+    assert time.monotonic() - start < 40
+    d.wait_restarted("decode-0", incarnation)
+    assert d.restarts("decode-0") == 1
+    assert chat_text(d.url, PROMPTS[1], **GREEDY)
+
+
+def test_a_killed_nats_server_is_restarted_on_its_port(smollm_dir: Path, tmp_path: Path) -> None:
+    """The launcher's own nats-server: services reconnect to the same URL."""
+    log = tmp_path / "up.log"
+    with specmesh_up(smollm_dir, log=log) as url:
+        match = re.search(r"^\s+nats-server\s+pid (\d+)", log.read_text(), re.M)
+        assert match, log.read_text()
+        os.kill(int(match.group(1)), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert chat_text(url, PROMPTS[0], max_tokens=4, temperature=0)
+                break
+            except (AssertionError, httpx.HTTPError):
+                assert time.monotonic() < deadline, "not serving 60 s after NATS was killed"
+                time.sleep(1)
