@@ -152,3 +152,38 @@ def test_a_killed_nats_server_is_restarted_on_its_port(smollm_dir: Path, tmp_pat
             except (AssertionError, httpx.HTTPError):
                 assert time.monotonic() < deadline, "not serving 60 s after NATS was killed"
                 time.sleep(1)
+
+
+POISON = {
+    "top_k past int64": {"top_k": 2**63 + 5},
+    "top_k past the vocabulary": {"top_k": 10**6},
+    "10^5 stop_token_ids": {"stop_token_ids": list(range(10**5))},
+    "a stop token id past the vocabulary": {"stop_token_ids": [10**9]},
+    "16 stop strings of 100 kB": {"stop": ["x" * 100_000] * 16},
+    "n=64 with 16 long stops": {"n": 64, "stop": ["y" * 5000] * 16},
+}
+RAW_POISON = {
+    "deep JSON": b'{"messages":' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "invalid UTF-8": b'{"messages":[{"role":"user","content":"\xff\xfe"}]}',
+}
+
+
+def test_poison_input_gets_400_and_costs_a_concurrent_request_nothing(
+    deployment: Deployment,
+) -> None:
+    d = deployment
+    reference = chat_text(d.url, PROMPTS[2], **GREEDY)
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        canary = pool.submit(stream_until_done, d.url, PROMPTS[2], started)
+        assert started.wait(60)
+        with httpx.Client(timeout=60) as client:
+            for name, extra in POISON.items():
+                body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+                r = client.post(f"{d.url}/v1/chat/completions", json=body)
+                assert r.status_code == 400 and r.json()["error"]["message"], (name, r.text)
+            for name, raw in RAW_POISON.items():
+                headers = {"content-type": "application/json"}
+                r = client.post(f"{d.url}/v1/chat/completions", content=raw, headers=headers)
+                assert r.status_code == 400 and r.json()["error"]["message"], (name, r.text)
+        assert canary.result(60) == (reference, {})

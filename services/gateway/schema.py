@@ -7,16 +7,22 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from shared.sampling.params import MAX_LOGPROBS, SamplingParams
+from shared.sampling.params import (
+    MAX_LOGPROBS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 
 MAX_CHOICES = 64  # n; each choice is a sequence in flight
-MAX_STOP_STRINGS = 16
 INT64 = Field(ge=-(2**63), le=2**63 - 1)
 
 Probability = Annotated[float, Field(ge=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 TokenCount = Annotated[int, Field(ge=1)]
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class Body(BaseModel):
@@ -105,11 +111,11 @@ class GenerationRequest(Body):
     max_tokens: TokenCount | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None  # the model's vocab: decode
     min_p: Probability | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     seed: Annotated[int, INT64] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None

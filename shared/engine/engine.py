@@ -158,6 +158,10 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k must be at most the vocabulary size ({vocab})")
 
     def add_request(
         self,

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # OpenAI caps top_logprobs at 20
+# Bounds on what one request may ask for, so that no request costs others much:
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # per stop string (each is searched for after every token)
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -53,6 +57,8 @@ class SamplingParams:
             )
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}"
