@@ -5,6 +5,7 @@ its own requests (a drafter's cost nothing: decode goes on without drafts)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -19,7 +20,10 @@ import httpx
 import pytest
 from deployment import chat_text, heartbeats, sample, scrape, specmesh_up
 
+from services.gateway.cluster import Cluster, Generation
+from shared.bus import Bus
 from shared.infra import start_nats
+from shared.protocol import TextDelta
 
 PROMPTS = [
     "Count from one to twenty in words.",
@@ -187,3 +191,46 @@ def test_poison_input_gets_400_and_costs_a_concurrent_request_nothing(
                 r = client.post(f"{d.url}/v1/chat/completions", content=raw, headers=headers)
                 assert r.status_code == 400 and r.json()["error"]["message"], (name, r.text)
         assert canary.result(60) == (reference, {})
+
+
+def test_a_frozen_tokenizer_fails_its_streams_clearly_then_serves_again(
+    deployment: Deployment,
+) -> None:
+    """The detokenizer is lost (SIGSTOP): its streams fail like a lost decode worker's."""
+    d = deployment
+    pid = d.pid("tokenizer-0")
+    started, start = threading.Event(), time.monotonic()
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(stream_until_done, d.url, PROMPTS[3], started)
+        assert started.wait(60)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            _, error = stream.result(30)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    assert "tokenizer" in error.get("message", ""), error
+    assert time.monotonic() - start < 20
+    deadline = time.monotonic() + 30
+    while "tokenizer-0" not in heartbeats(d.nats_url, 1.5):
+        assert time.monotonic() < deadline
+    assert chat_text(d.url, PROMPTS[3], **GREEDY)
+
+
+def test_a_request_without_output_fails_after_its_idle_timeout() -> None:
+    """A lost message (nothing ever arrives) ends the request instead of hanging it."""
+
+    async def wait_for_nothing(url: str) -> list[TextDelta]:
+        bus = await Bus.connect(url, "test")
+        cluster = Cluster(bus, "gw", 3.0, 10.0, 8, idle_timeout=0.3)
+        generation = Generation(cluster, ["lost-request"])
+        cluster.outputs["lost-request"] = generation.queue
+        deltas = [delta async for delta in generation.deltas()]
+        generation.close()
+        await bus.close()
+        return deltas
+
+    with start_nats() as nats_server:
+        start = time.monotonic()
+        [delta] = asyncio.run(wait_for_nothing(nats_server.url))
+    assert delta.finish_reason == "error" and "no output for 0.3 s" in delta.error
+    assert time.monotonic() - start < 5

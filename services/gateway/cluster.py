@@ -114,7 +114,12 @@ class Generation:
     async def deltas(self) -> AsyncIterator[TextDelta]:
         """Every sequence's output, interleaved, until all have finished."""
         while self.unfinished:
-            delta = await self.queue.get()
+            try:
+                delta = await asyncio.wait_for(self.queue.get(), self.cluster.idle_timeout)
+            except TimeoutError:  # a lost message or service: fail rather than hang
+                error = f"no output for {self.cluster.idle_timeout:g} s; the request was dropped"
+                first = min(self.unfinished)
+                delta = TextDelta(first, "", 0, finish_reason="error", error=error)
             if delta.request_id not in self.unfinished:
                 continue  # e.g. a worker's failure after the sequence finished
             self._record(delta)
@@ -156,15 +161,18 @@ class Cluster:
         instance_timeout: float,
         request_timeout: float,
         max_pending: int,
+        idle_timeout: float,
     ) -> None:
         self.bus = bus
         self.gateway_id = gateway_id
         self.instance_timeout = instance_timeout
         self.request_timeout = request_timeout
+        self.idle_timeout = idle_timeout
         self.max_pending = max_pending
         self.instances: dict[str, dict[str, Instance]] = {}
         self.outputs: dict[str, asyncio.Queue[TextDelta]] = {}  # by request id
-        self.decode_of: dict[str, str] = {}
+        # the tokenizer and decode worker each request's output flows through
+        self.workers_of: dict[str, tuple[str, str]] = {}
         self.stats = ServerStats()
         self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -211,12 +219,12 @@ class Cluster:
                 INSTANCES.labels(kind).set(len(instances))
 
     def _drop(self, kind: str, instance_id: str) -> None:
+        """Forget an instance; fail the requests whose output it carried (a lost drafter
+        only costs its requests their drafts, a lost prefill worker fails its calls)."""
         self.instances.get(kind, {}).pop(instance_id, None)
-        if kind != "decode":
-            return  # a lost drafter only costs its requests their drafts
-        for request_id, decode_id in list(self.decode_of.items()):
-            if decode_id == instance_id:
-                error = f"decode worker {instance_id} went away"
+        for request_id, workers in list(self.workers_of.items()):
+            if instance_id in workers:
+                error = f"the {kind} instance {instance_id} went away"
                 failed = TextDelta(request_id, "", 0, finish_reason="error", error=error)
                 self.outputs[request_id].put_nowait(failed)
 
@@ -283,7 +291,7 @@ class Cluster:
         )
         decode_id = decode.heartbeat.instance_id
         drafter_id = drafter.heartbeat.instance_id if drafter else None
-        self.decode_of[request_id] = decode_id
+        self.workers_of[request_id] = (tokens.tokenizer_id, decode_id)
         admit = AdmitRequest(
             request_id,
             tokens.prompt_ids,
@@ -312,7 +320,7 @@ class Cluster:
 
     def forget(self, request_id: str) -> None:
         self.outputs.pop(request_id, None)
-        self.decode_of.pop(request_id, None)
+        self.workers_of.pop(request_id, None)
 
 
 def _first_error(group: BaseExceptionGroup) -> BaseException:

@@ -27,6 +27,9 @@ class GatewayConfig:
     max_request_bytes: int = option(4 << 20, "larger request bodies get 413")
     instance_timeout: float = option(3.0, "seconds without a heartbeat before an instance is gone")
     request_timeout: float = option(120.0, "seconds a prefill may take, queueing included")
+    request_idle_timeout: float = option(
+        60.0, "seconds an admitted request may go without output before it fails"
+    )
 
     @property
     def model_name(self) -> str:

@@ -38,6 +38,7 @@ class GatewayService(Service):
             g.instance_timeout,
             g.request_timeout,
             g.max_pending_requests,
+            g.request_idle_timeout,
         )
         await self.cluster.start()
         app = build_app(self.cluster, g)
