@@ -6,6 +6,7 @@ import contextlib
 import os
 import re
 import socket
+import stat
 import subprocess
 import threading
 import time
@@ -180,3 +181,32 @@ def test_redis_connection_lost_mid_use() -> None:
     with pytest.raises(ConnectionError, match=re.escape(url)):
         t.get_many(["k0"])
     t.close()
+
+
+def test_shm_directory_is_private_and_checked(tmp_path: Path) -> None:
+    t = ShmTransport("mine", root=tmp_path)
+    assert stat.S_IMODE(os.lstat(t.dir).st_mode) == 0o700
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "specmesh-linked").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(PermissionError, match="not a directory"):
+        ShmTransport("linked", root=tmp_path)
+    (tmp_path / "specmesh-open").mkdir(mode=0o777)
+    os.chmod(tmp_path / "specmesh-open", 0o777)
+    with pytest.raises(PermissionError, match="others may write"):
+        ShmTransport("open", root=tmp_path)
+    if os.getuid() == 0:
+        (tmp_path / "specmesh-theirs").mkdir(mode=0o700)
+        os.chown(tmp_path / "specmesh-theirs", 12345, 12345)
+        with pytest.raises(PermissionError, match="belongs to uid 12345"):
+            ShmTransport("theirs", root=tmp_path)
+
+
+def test_shm_never_reads_through_a_link(tmp_path: Path) -> None:
+    t = ShmTransport("links", root=tmp_path)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not a kv block")
+    os.utime(secret, (time.time() + 60, time.time() + 60))
+    os.symlink(secret, t.dir / "planted")
+    assert t.get_many(["planted"]) == [None]
+    t.touch(["planted"], 600)  # must not move the target's mtime
+    assert secret.stat().st_mtime < time.time() + 120

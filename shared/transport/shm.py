@@ -9,9 +9,11 @@ moves the mtime forward, and `put_many` sweeps expired files at most once a seco
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -49,9 +51,29 @@ class ShmTransport(KVTransport):
             )
         super().__init__()
         self.dir = Path(root if root is not None else _default_root()) / f"specmesh-{namespace}"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self._ensure_dir()
         self._last_sweep = 0.0
         self._sweep_lock = threading.Lock()
+
+    def _ensure_dir(self) -> None:
+        """Create the namespace directory 0700, or check that the one there is ours: on a
+        shared /dev/shm, another user could have made it first to read or plant blocks."""
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self.dir, 0o700)
+        st = os.lstat(self.dir)
+        problem = (
+            "is not a directory (a symlink?)"
+            if not stat.S_ISDIR(st.st_mode)
+            else f"belongs to uid {st.st_uid}, not us ({os.getuid()})"
+            if st.st_uid != os.getuid()
+            else f"has mode {stat.S_IMODE(st.st_mode):o}; others may write it"
+            if st.st_mode & 0o022
+            else None
+        )
+        if problem:
+            raise PermissionError(f"refusing the shm kv directory {self.dir}: it {problem}")
+        if st.st_mode & 0o077:  # ours, but readable by others (made before this check)
+            os.chmod(self.dir, 0o700)
 
     def _path(self, key: str) -> str:
         if not _KEY.fullmatch(key):
@@ -61,7 +83,7 @@ class ShmTransport(KVTransport):
     def put_many(self, items: dict[str, bytes], ttl_s: float) -> None:
         expiry = time.time() + ttl_s
         written = 0
-        os.makedirs(self.dir, exist_ok=True)  # in case someone cleared /dev/shm meanwhile
+        self._ensure_dir()  # in case someone cleared /dev/shm meanwhile
         for key, value in items.items():
             path = self._path(key)
             fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{key}.")
@@ -84,11 +106,14 @@ class ShmTransport(KVTransport):
         out: list[bytes | None] = []
         read = 0
         for key in keys:
-            try:
-                f = open(self._path(key), "rb", buffering=0)
-            except FileNotFoundError:
-                out.append(None)
+            try:  # never through a link: a planted one could point anywhere
+                fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError as e:
+                if not isinstance(e, FileNotFoundError) and e.errno != errno.ELOOP:
+                    raise
+                out.append(None)  # missing, or a link: recomputed
                 continue
+            f = open(fd, "rb", buffering=0)
             with f:
                 # fstat of the open file: the expiry belongs to exactly the bytes read below.
                 if os.fstat(f.fileno()).st_mtime < now:
@@ -104,7 +129,7 @@ class ShmTransport(KVTransport):
 
     def _expiry(self, key: str) -> float | None:
         try:
-            return os.stat(self._path(key)).st_mtime
+            return os.stat(self._path(key), follow_symlinks=False).st_mtime
         except FileNotFoundError:
             return None
 
@@ -126,7 +151,7 @@ class ShmTransport(KVTransport):
             if current is None or current < now:
                 continue  # expired keys stay expired, as in redis
             with contextlib.suppress(FileNotFoundError):
-                os.utime(self._path(key), (expiry, expiry))
+                os.utime(self._path(key), (expiry, expiry), follow_symlinks=False)
 
     def delete_many(self, keys: list[str]) -> None:
         for key in keys:
