@@ -157,6 +157,11 @@ def dataclass_from_args(cls: type[T], args: argparse.Namespace) -> T:
         path = getattr(args, f"{f.name}_file", None)
         if values[f.name] is None and path and f.metadata.get("secret"):
             values[f.name] = read_secret(path)
+        if values[f.name] == "" and f.metadata.get("secret"):  # would mean "no protection"
+            flag = f.name.replace("_", "-")
+            raise ValueError(
+                f"--{flag} (or {env_name(f.name)}) is empty: give one, or leave it unset"
+            )
     return cls(**values)
 
 

@@ -424,6 +424,16 @@ def test_api_key(guarded: str) -> None:
     good = openai.OpenAI(base_url=f"{guarded}/v1", api_key="sk-test")
     assert good.models.list().data
     assert httpx.get(f"{guarded}/health").status_code == 200  # probes need no key
+    assert httpx.get(f"{guarded}/metrics").status_code == 200
+    assert httpx.get(f"{guarded}/get_server_info").status_code == 401  # paths stay private
+    key = {"Authorization": "Bearer sk-test"}
+    assert httpx.get(f"{guarded}/get_server_info", headers=key).status_code == 200
+
+
+def test_an_empty_api_key_is_refused() -> None:
+    up = [sys.executable, "-m", "services.cli", "up", "--api-key", ""]
+    result = subprocess.run(up, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "--api-key (or SPECMESH_API_KEY) is empty" in result.stderr
 
 
 def test_reasoning_parser(guarded: str) -> None:

@@ -43,8 +43,12 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 SEED_RANGE = 2**63  # per-choice seeds stay in int64
 
 
+# Probes and scrapers reach these without the API key; nothing else.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
 class Guard:
-    """ASGI middleware: the API key on /v1 routes, and the request body size limit."""
+    """ASGI middleware: the API key on every route but OPEN_PATHS, and the body size limit."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body: int) -> None:
         self.app, self.api_key, self.max_body = app, api_key, max_body
@@ -53,7 +57,7 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.api_key and scope["path"].startswith("/v1"):
+        if self.api_key and scope["path"] not in OPEN_PATHS:
             given = headers.get(b"authorization", b"").decode("latin-1")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 response = error_response(401, "invalid or missing API key (Authorization: Bearer)")

@@ -14,7 +14,9 @@ class GatewayConfig:
     port: int = option(8000, "HTTP port")
     model: str | None = model_option()  # the gateway only needs its name
     served_model_name: str | None = option(None, "model id in the API (default: from --model)")
-    api_key: str | None = secret_option("require `Authorization: Bearer <key>` on /v1")
+    api_key: str | None = secret_option(
+        "require `Authorization: Bearer <key>` everywhere but /health and /metrics"
+    )
     tool_call_parser: str | None = option(
         None, "tool call format: hermes (qwen25), llama3_json or mistral"
     )
