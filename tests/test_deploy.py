@@ -479,8 +479,12 @@ def test_every_dashboard_metric_is_served(deployment: tuple[str, Path]) -> None:
     response = chat(url, prompt, temperature=0, max_tokens=48)
     assert response.status_code == 200, response.text
     assert response.headers["x-request-id"] == response.json()["id"]
-    # `specmesh up` lists each process with its /metrics URL; the gateway serves its own.
+    # `specmesh up` lists each process with its /metrics URL (its own too, for restarts);
+    # the gateway serves its own.
     listed = re.findall(r"^\s+(\S+)\s+pid \d+\s+(http://\S+/metrics)$", log.read_text(), re.M)
+    launcher = dict(listed).pop("specmesh-up")
+    assert "specmesh_service_restarts_total" in httpx.get(launcher, timeout=10).text
+    listed = [(instance, u) for instance, u in listed if instance != "specmesh-up"]
     assert {instance.split("-")[0] for instance, _ in listed} == set(SERVICES) - {"gateway"}
     for _, metrics_url in listed:
         health = httpx.get(metrics_url.removesuffix("/metrics") + "/health", timeout=10)
