@@ -182,9 +182,23 @@ def test_compose_environment_is_wired() -> None:
         redis_password = services["valkey"]["environment"]["VALKEY_PASSWORD"]
         assert env["SPECMESH_REDIS_PASSWORD"] == redis_password
     assert "4318:4318" in services["otel-collector"]["ports"]
+    for server in ("nats", "valkey"):  # only the services reach them, on compose's network
+        assert "ports" not in services[server], server
     nats = services["nats"]
     assert "./deploy/nats.conf:/etc/nats/nats.conf:ro" in nats["volumes"]
     assert nats["command"][-1] == "/etc/nats/nats.conf"
+
+
+def test_compose_has_no_default_passwords() -> None:
+    text = (ROOT / "docker-compose.yml").read_text()
+    passwords = re.findall(r"\$\{(\w*PASSWORD\w*)([^}]*)\}", text)
+    assert {name for name, _ in passwords} == {
+        "SPECMESH_NATS_PASSWORD",
+        "SPECMESH_REDIS_PASSWORD",
+        "GRAFANA_ADMIN_PASSWORD",
+    }
+    for name, rest in passwords:  # ${NAME:?message}: compose refuses to start without it
+        assert rest.startswith(":?") and name in rest, (name, rest)
 
 
 def test_compose_gpu_override_gives_each_pool_its_own_gpus() -> None:
