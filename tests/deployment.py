@@ -103,3 +103,13 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def sample(samples: dict, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+async def nats_accepts(url: str, **auth: str) -> bool:
+    """Whether NATS at `url` lets a client in with `auth` (none: anonymously)."""
+    try:
+        nc = await nats.connect(url, allow_reconnect=False, connect_timeout=5, **auth)
+    except Exception:
+        return False
+    await nc.close()
+    return True

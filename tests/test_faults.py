@@ -18,7 +18,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from deployment import chat_text, heartbeats, sample, scrape, specmesh_up
+import redis
+from deployment import chat_text, heartbeats, nats_accepts, sample, scrape, specmesh_up
 
 from services.gateway.cluster import Cluster, Generation
 from shared.bus import Bus
@@ -141,12 +142,23 @@ def test_a_killed_decode_worker_fails_its_requests_clearly_then_serves_again(
     assert chat_text(d.url, PROMPTS[1], **GREEDY)
 
 
-def test_a_killed_nats_server_is_restarted_on_its_port(smollm_dir: Path, tmp_path: Path) -> None:
-    """The launcher's own nats-server: services reconnect to the same URL."""
+def test_the_launchers_servers_need_its_secret_and_come_back_when_killed(
+    smollm_dir: Path, tmp_path: Path
+) -> None:
+    """Its own nats-server and valkey refuse other clients (a secret of this run), and a
+    killed nats-server is restarted on its port, where every service reconnects."""
     log = tmp_path / "up.log"
-    with specmesh_up(smollm_dir, log=log) as url:
+    with specmesh_up(smollm_dir, "--kv-transport", "redis", log=log) as url:
+        servers = dict(
+            re.findall(r"^\s+(nats-server|valkey)\s+pid \d+\s+(\S+)", log.read_text(), re.M)
+        )
+        assert not asyncio.run(nats_accepts(servers["nats-server"]))
+        with (
+            redis.Redis.from_url(servers["valkey"]) as anonymous,
+            pytest.raises(redis.AuthenticationError),
+        ):
+            anonymous.ping()
         match = re.search(r"^\s+nats-server\s+pid (\d+)", log.read_text(), re.M)
-        assert match, log.read_text()
         os.kill(int(match.group(1)), signal.SIGKILL)
         deadline = time.monotonic() + 60
         while True:
@@ -156,6 +168,7 @@ def test_a_killed_nats_server_is_restarted_on_its_port(smollm_dir: Path, tmp_pat
             except (AssertionError, httpx.HTTPError):
                 assert time.monotonic() < deadline, "not serving 60 s after NATS was killed"
                 time.sleep(1)
+        assert not asyncio.run(nats_accepts(servers["nats-server"]))  # restarted with it
 
 
 POISON = {

@@ -11,6 +11,7 @@ import httpx
 import nats
 import pytest
 import redis
+from deployment import nats_accepts
 from nats.aio.msg import Msg
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -63,6 +64,20 @@ def test_valkey_set_get() -> None:
             assert client.config_get("save") == {"save": ""}
         finally:
             client.close()
+
+
+def test_servers_with_a_secret_refuse_clients_without_it() -> None:
+    with start_nats(token="s3cret-token") as server:
+        assert not asyncio.run(nats_accepts(server.url))
+        assert asyncio.run(nats_accepts(server.url, token="s3cret-token"))
+        assert "s3cret-token" not in " ".join(server.proc.args)  # not on `ps`
+    with start_valkey(password="s3cret-pass") as server:
+        with redis.Redis.from_url(server.url) as anonymous:
+            with pytest.raises(redis.AuthenticationError):
+                anonymous.ping()
+        with redis.Redis.from_url(server.url, password="s3cret-pass") as client:
+            assert client.ping()
+        assert "s3cret-pass" not in " ".join(server.proc.args)
 
 
 @pytest.mark.parametrize("start", [start_nats, start_valkey])
