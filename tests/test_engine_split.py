@@ -6,11 +6,12 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 from test_speculative import GREEDY, PROMPTS
 
 from services.prefill.service import PrefillEngine
@@ -23,6 +24,7 @@ from shared.speculative.drafter import DraftRequest
 from shared.speculative.ngram import NgramDrafter
 from shared.speculative.tree import DraftTree
 from shared.tokenizer import Tokenizer
+from shared.transport import KVTransport
 from shared.transport.shm import ShmTransport
 
 
@@ -61,18 +63,18 @@ def run_prefilled(
     split: tuple[PrefillEngine, LLMEngine],
     prompts: list[list[int]],
     params: SamplingParams,
-    lose_blocks: bool = False,
+    tamper: Callable[[KVTransport, list[str]], None] | None = None,
 ) -> list[list[int]]:
     """What the services do, in one process: prefill to the first token, then decode.
-    `lose_blocks`: the stored blocks vanish before decode loads them."""
+    `tamper` does what it likes to the stored blocks before decode loads them."""
     prefill, decode = split
     outputs: dict[str, list[int]] = {}
     for i, ids in enumerate(prompts):
         rid = f"r{i}"
         (first,) = prefill.generate([ids], dataclasses.replace(params, max_tokens=1))
         keys = prefill.handoff.popitem()[1]
-        if lose_blocks:
-            prefill.kv_exchange.transport.delete_many(keys)
+        if tamper is not None:
+            tamper(prefill.kv_exchange.transport, keys)
         first_token = FirstToken(first[0])
         emitted = decode.add_request(rid, ids, params, RemotePrefix(keys, len(ids)), first_token)
         outputs[rid] = [o.token_id for o in emitted]
@@ -103,12 +105,30 @@ def test_prefilled_seeded_sampling_matches_local(
     assert run_prefilled(split, prompt_ids[:3], params) == local
 
 
-def test_missing_blocks_are_computed_instead(
+def _rewrite_last(
+    transport: KVTransport, keys: list[str], change: Callable[[bytes], bytes]
+) -> None:
+    (blob,) = transport.get_many(keys[-1:])
+    transport.put_many({keys[-1]: change(blob)}, ttl_s=60)
+
+
+TAMPERS = {
+    "lost": lambda t, keys: t.delete_many(keys),
+    "truncated": lambda t, keys: _rewrite_last(t, keys, lambda b: b[:-8]),
+    "NaN": lambda t, keys: _rewrite_last(
+        t, keys, lambda b: b[:-4] + torch.tensor([float("nan")]).numpy().tobytes()
+    ),
+}
+
+
+@pytest.mark.parametrize("tamper", TAMPERS)
+def test_missing_or_bad_blocks_are_computed_instead(
     split: tuple[PrefillEngine, LLMEngine],
     prompt_ids: list[list[int]],
     reference: list[list[int]],
+    tamper: str,
 ) -> None:
-    assert run_prefilled(split, prompt_ids[:2], GREEDY, lose_blocks=True) == reference[:2]
+    assert run_prefilled(split, prompt_ids[:2], GREEDY, TAMPERS[tamper]) == reference[:2]
     assert split[1].stats.computed_tokens > sum(map(len, prompt_ids[:2]))
 
 

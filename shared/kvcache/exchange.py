@@ -119,10 +119,17 @@ class KVExchange:
         return block.contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
     def _write(self, block_id: int, key: str, data: bytes) -> None:
+        """Copy a stored block into the cache; KeyError (compute it instead) when its size
+        or values are not what this cache holds: a bad blob costs its request a recompute."""
         storage = self.kv_cache.storage
         target = storage[:, :, self._slots(block_id, key)]
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        target.copy_(raw.view(storage.dtype).view(target.shape))
+        size = target.numel() * target.element_size()
+        if len(data) != size:
+            raise KeyError(f"KV block {key} has {len(data)} bytes, not {size}")
+        values = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(storage.dtype)
+        if not torch.isfinite(values).all():
+            raise KeyError(f"KV block {key} holds NaN or infinite values")
+        target.copy_(values.view(target.shape))
 
 
 def _block_tokens(key: str) -> int:
