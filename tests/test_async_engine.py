@@ -68,3 +68,30 @@ def test_invalid_request_raises_before_streaming(engine: AsyncEngine) -> None:
     with pytest.raises(ValueError, match="empty"):
         asyncio.run(main())
     assert asyncio.run(collect(engine, "after-bad", PROMPTS[1], 3))  # still serving
+
+
+def test_a_sequence_that_fails_its_step_fails_alone(engine: AsyncEngine) -> None:
+    """A sequence whose sampling blows up (here: a top_k no validation would pass, set
+    behind the engine's back) fails itself; the others in its steps go on unchanged."""
+    reference = [asyncio.run(collect(engine, f"ref{i}", ids, 8)) for i, ids in enumerate(PROMPTS)]
+    inner = engine.engine
+
+    async def poisoned(rid: str, ids: list[int]) -> list[int]:
+        params = SamplingParams(temperature=0.7, max_tokens=8, ignore_eos=True)
+        tokens = []
+        async for step in engine.generate(rid, ids, params):
+            params.top_k = 2**63 + 5  # once admitted: it overflows the sampler's tensor
+            tokens += [out.token_id for out in step]
+        return tokens
+
+    async def main() -> list[list[int] | BaseException]:
+        tasks = [collect(engine, f"ok{i}", ids, 8) for i, ids in enumerate(PROMPTS)]
+        tasks.insert(2, poisoned("poisoned", PROMPTS[0]))
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    free = inner.block_manager.num_free
+    results = asyncio.run(main())
+    failure = results.pop(2)
+    assert isinstance(failure, RuntimeError) and "engine step failed" in str(failure)
+    assert results == reference
+    assert "poisoned" not in inner.sequences and inner.block_manager.num_free == free

@@ -125,7 +125,11 @@ class AsyncEngine:
             by_request: dict[str, list[TokenOutput]] = {}
             for out in outputs:
                 by_request.setdefault(out.request_id, []).append(out)
-            self._deliver_step(by_request)
+            failed = {
+                request_id: RuntimeError(f"this request's engine step failed: {exc}")
+                for request_id, exc in self.engine.take_failed().items()
+            }
+            self._deliver_step({**by_request, **failed})
 
     def _deliver_step(self, by_request: Mapping[str, _Item]) -> None:
         """A step's outputs, with one wake-up of each event loop (not one per request),

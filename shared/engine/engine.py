@@ -129,6 +129,7 @@ class LLMEngine:
                 self.speculator.costs = StepCosts(self._verify_seconds(self.speculator.max_drafts))
         self.sequences: dict[str, Sequence] = {}
         self.stats = EngineStats()
+        self.failed: dict[str, Exception] = {}  # requests a step failed alone (see _run)
         self.kv_exchange: KVExchange | None = None  # set where prompts arrive prefilled
         self.overlap = overlap and self.speculator is not None
         self._next_lane = 0
@@ -279,6 +280,33 @@ class LLMEngine:
         return trees
 
     def _run(
+        self, batch: list[tuple[Sequence, int]], trees: dict[Sequence, DraftTree]
+    ) -> list[TokenOutput]:
+        """Run the batch; if it fails, each sequence alone, so that one bad sequence fails
+        itself (finished, in `failed`) rather than everyone in its step. A failed forward
+        changes nothing that a rerun does not overwrite (its K/V slots, rewritten)."""
+        try:
+            return self._run_batch(batch, trees)
+        except Exception:
+            if len(batch) == 1:
+                raise
+            log.exception("a step of %d sequences failed; running each alone", len(batch))
+        outputs = []
+        for seq, num in batch:
+            try:
+                outputs += self._run_batch([(seq, num)], {seq: trees[seq]} if seq in trees else {})
+            except Exception as exc:
+                log.exception("request %s failed its step", seq.request_id)
+                self._finish(seq)
+                self.failed[seq.request_id] = exc
+        return outputs
+
+    def take_failed(self) -> dict[str, Exception]:
+        """The requests steps failed alone since the last call (already finished)."""
+        failed, self.failed = self.failed, {}
+        return failed
+
+    def _run_batch(
         self, batch: list[tuple[Sequence, int]], trees: dict[Sequence, DraftTree]
     ) -> list[TokenOutput]:
         start = time.perf_counter()
