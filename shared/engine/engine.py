@@ -287,19 +287,23 @@ class LLMEngine:
         changes nothing that a rerun does not overwrite (its K/V slots, rewritten)."""
         try:
             return self._run_batch(batch, trees)
-        except Exception:
+        except Exception as exc:
             if len(batch) == 1:
-                raise
+                self._fail(batch[0][0], exc)
+                return []
             log.exception("a step of %d sequences failed; running each alone", len(batch))
         outputs = []
         for seq, num in batch:
             try:
                 outputs += self._run_batch([(seq, num)], {seq: trees[seq]} if seq in trees else {})
             except Exception as exc:
-                log.exception("request %s failed its step", seq.request_id)
-                self._finish(seq)
-                self.failed[seq.request_id] = exc
+                self._fail(seq, exc)
         return outputs
+
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
+        log.error("request %s failed its step: %r", seq.request_id, exc)
+        self._finish(seq)
+        self.failed[seq.request_id] = exc
 
     def take_failed(self) -> dict[str, Exception]:
         """The requests steps failed alone since the last call (already finished)."""
