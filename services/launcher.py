@@ -114,6 +114,10 @@ class Launcher:
         try:
             return asyncio.run(self._run())
         finally:
+            # Stopping takes at most ~15 s and ends in SIGKILL: a second Ctrl-C (or a
+            # wrapper forwarding the first again) must not cut it short with a traceback.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
             self._stop_all()
 
     async def _run(self) -> int:
