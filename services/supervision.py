@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,8 +31,8 @@ RESTARTS = Counter(
 
 
 @dataclass
-class Supervised:
-    """A process kept running: `start` it, `poll` it; `supervise` restarts it when dead."""
+class Supervised(ABC):
+    """A process kept running: `start` it; `supervise` restarts it when dead."""
 
     name: str
     service: str
@@ -40,11 +41,16 @@ class Supervised:
     due: float | None = None  # when a dead process starts again; None while it runs
 
     def start(self) -> None:
-        raise NotImplementedError
+        self._launch()
+        self.started, self.due = time.monotonic(), None
 
+    @abstractmethod
+    def _launch(self) -> None:
+        """Start the process."""
+
+    @abstractmethod
     def poll(self) -> int | None:
         """The exit code once dead, else None."""
-        raise NotImplementedError
 
     def supervise(self, now: float) -> None:
         """Restart when dead and due; schedule the restart when newly found dead."""
@@ -79,14 +85,13 @@ class Child(Supervised):
     preexec_fn: Callable[[], None] | None = None
     proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
+    def _launch(self) -> None:
         # Our process group is left so that Ctrl-C reaches only us (we stop them in
         # order), our session is not: a session is a scheduling group of its own
         # (autogroup), across which niceness means nothing.
         self.proc = subprocess.Popen(
             self.argv, env=self.env, process_group=0, preexec_fn=self.preexec_fn
         )
-        self.started, self.due = time.monotonic(), None
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -99,11 +104,10 @@ class Server(Supervised):
     launch: Callable[[], ServerProcess] | None = None
     server: ServerProcess | None = None
 
-    def start(self) -> None:
+    def _launch(self) -> None:
         if self.server is not None:
             self.server.stop()  # gone already; this removes its temp dir
         self.server = self.launch()
-        self.started, self.due = time.monotonic(), None
 
     def poll(self) -> int | None:
         return None if self.server is None else self.server.proc.poll()

@@ -17,11 +17,12 @@ from shared.sampling.params import (
 
 MAX_CHOICES = 64  # n; each choice is a sequence in flight
 INT64 = Field(ge=-(2**63), le=2**63 - 1)
+INT32_MAX = 2**31 - 1  # token ids and top_k: the engine checks them against the vocabulary
 
 Probability = Annotated[float, Field(ge=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 TokenCount = Annotated[int, Field(ge=1)]
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
@@ -111,7 +112,7 @@ class GenerationRequest(Body):
     max_tokens: TokenCount | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None  # the model's vocab: decode
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: Probability | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
