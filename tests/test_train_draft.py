@@ -155,6 +155,10 @@ def test_bad_training_input_fails_before_loading(tmp_path: Path) -> None:
         train_draft(TrainDraftConfig(out=str(tmp_path), temperature=-1))
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
         train_draft(TrainDraftConfig(out=str(tmp_path), data=str(bad), num_prompts=0))
+    with pytest.raises(ValueError, match="self-prompts"):
+        train_draft(TrainDraftConfig(out=str(tmp_path), self_prompts=-1))
+    with pytest.raises(ValueError, match="--exclude .*bad.jsonl"):  # not a JSON list
+        train_draft(TrainDraftConfig(out=str(tmp_path), self_prompts=8, exclude=str(bad)))
 
 
 def test_heldout_chat_prompts_share_no_topic_with_training() -> None:

@@ -28,7 +28,14 @@ from shared.model.loader import load_model
 from shared.speculative.drafter import target_feature_layers
 from shared.speculative.eagle import EagleHead, HeadSpec, save_head
 from shared.tokenizer import Tokenizer
-from shared.training.data import Sample, read_captured, read_local, read_samples, self_distill
+from shared.training.data import (
+    Sample,
+    read_captured,
+    read_local,
+    read_samples,
+    self_distill,
+    self_written_prompts,
+)
 from shared.training.eagle_trainer import (
     acceptance_length,
     collate,
@@ -56,6 +63,12 @@ class TrainDraftConfig:
         "files (OpenAI messages / ShareGPT) or plain text files",
     )
     num_prompts: int | None = option(None, "built-in prompts to self-distill (default: all)")
+    self_prompts: int = option(
+        0, "prompts the target writes itself (Magpie) to self-distill after the built-in ones"
+    )
+    exclude: str | None = option(
+        None, "JSON list of evaluation prompts that self-written prompts must stay clear of"
+    )
     max_new_tokens: int = option(256, "longest self-distilled answer")
     temperature: float = option(
         0.0,
@@ -88,6 +101,10 @@ class TrainDraftConfig:
         for path in self.data_files:
             if not path.is_file():
                 raise ValueError(f"--data {path}: no such file")
+        if self.self_prompts < 0:
+            raise ValueError(f"--self-prompts must be >= 0, got {self.self_prompts}")
+        if self.exclude:
+            read_prompt_list(Path(self.exclude))  # a bad file fails before anything loads
         if self.ttt_steps < 1 or self.epochs <= 0 or not 0 < self.heldout < 1:
             raise ValueError("--ttt-steps must be >= 1, --epochs > 0, --heldout in (0, 1)")
         if not 0 < self.root_fraction <= 1:
@@ -101,35 +118,60 @@ class TrainDraftConfig:
         return [Path(p) for p in (self.data or "").split(",") if p]
 
 
+def read_prompt_list(path: Path) -> list[str]:
+    try:
+        prompts = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--exclude {path}: {exc}") from None
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"--exclude {path}: expected a JSON list of strings")
+    return prompts
+
+
 def gather_samples(
     cfg: TrainDraftConfig, target_dir: Path, tokenizer: Tokenizer, layers: tuple[int, ...]
 ) -> tuple[list[Sample], list[torch.Tensor | None]]:
     """Self-distilled answers (generated now, or resumed) plus local data, and per sample
     the target layers kept while it was generated (None: to be computed)."""
     local = [s for f in cfg.data_files for s in read_local(f, tokenizer, cfg.max_len)]
-    prompts = training_prompts(cfg.seed)[: cfg.num_prompts]
+    data = Path(cfg.out) / "data"
+    data.mkdir(parents=True, exist_ok=True)
     # Answers of another temperature are other data: each has its own file to resume.
     suffix = f"-t{cfg.temperature:g}" if cfg.temperature else ""
-    work = Path(cfg.out) / "data" / f"self_distill{suffix}.jsonl"
-    work.parent.mkdir(parents=True, exist_ok=True)
+    work = data / f"self_distill{suffix}.jsonl"
+    written = data / "self_prompts.json"
+    builtin = training_prompts(cfg.seed)[: cfg.num_prompts]
+    engine: LLMEngine | None = None
+    if cfg.self_prompts and not written.exists():
+        engine = _generator(cfg, target_dir)
+        exclude = read_prompt_list(Path(cfg.exclude)) if cfg.exclude else []
+        prompts = self_written_prompts(engine, tokenizer, cfg.self_prompts, exclude, cfg.seed)
+        written.write_text(json.dumps(prompts, indent=0) + "\n")
+    own = json.loads(written.read_text())[: cfg.self_prompts] if cfg.self_prompts else []
+    prompts = builtin + own
     if prompts and len(read_samples(work)) < len(prompts):
-        engine = LLMEngine(
-            EngineConfig(
-                model=str(target_dir),
-                device=cfg.device,
-                kv_cache_gb=3.0,
-                max_num_seqs=cfg.generate_batch,
-                max_num_batched_tokens=1024,
-            )
-        )
+        # a fresh engine: self_distill reads prompt rows from its prefix cache
+        engine = _generator(cfg, target_dir)
         self_distill(
             engine, tokenizer, prompts, work, cfg.max_new_tokens, layers, cfg.temperature, cfg.seed
         )
-        del engine
+    del engine
     distilled = read_samples(work)[: len(prompts)]
     captured = read_captured(work, layers, len(distilled)) + [None] * len(local)
     keep = [i for i, s in enumerate(distilled + local) if len(s.ids) >= 2 and s.spans]
     return [(distilled + local)[i] for i in keep], [captured[i] for i in keep]
+
+
+def _generator(cfg: TrainDraftConfig, target_dir: Path) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(target_dir),
+            device=cfg.device,
+            kv_cache_gb=3.0,
+            max_num_seqs=cfg.generate_batch,
+            max_num_batched_tokens=1024,
+        )
+    )
 
 
 def target_views(
