@@ -9,6 +9,7 @@ import sys
 from services.decode.service import DecodeConfig
 from services.gateway.config import GatewayConfig
 from services.launcher import Configs, Launcher, UpConfig
+from services.prefill.config import PrefillConfig
 from shared.bus import NatsAuth
 from shared.config import add_dataclass_args, dataclass_from_args
 from shared.engine.engine import EngineConfig
@@ -22,6 +23,7 @@ _UP_CONFIGS = {
     "spec": SpeculativeConfig,
     "transport": TransportConfig,
     "decode": DecodeConfig,
+    "prefill": PrefillConfig,
     "nats": NatsAuth,
 }
 

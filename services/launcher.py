@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -28,13 +28,14 @@ from prometheus_client import start_http_server
 from services.decode.service import DecodeConfig
 from services.drafter.service import DrafterConfig
 from services.gateway.config import GatewayConfig
+from services.prefill.config import PrefillConfig
 from services.supervision import Child, Server
 from services.tokenizer.service import TokenizerConfig
 from shared.bus import Bus, NatsAuth
 from shared.config import dataclass_argv, dataclass_secrets, option
 from shared.engine.engine import EngineConfig
 from shared.infra import ServerProcess, die_with_parent, start_nats, start_valkey
-from shared.protocol import HEARTBEAT, Heartbeat
+from shared.protocol import HEARTBEAT, SERVICE_USERS, Heartbeat, nats_users
 from shared.speculative.config import SpeculativeConfig
 from shared.transport import DEFAULT_KV_NAMESPACE, TransportConfig
 
@@ -64,9 +65,12 @@ class Configs:
     spec: SpeculativeConfig
     transport: TransportConfig
     decode: DecodeConfig
+    prefill: PrefillConfig
     nats: NatsAuth
     tokenizer: TokenizerConfig = field(init=False)
     drafter: DrafterConfig = field(init=False)
+    # NATS credentials of one kind of service (or the launcher), where each has its own
+    nats_users: dict[str, NatsAuth] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         model, device, dtype = self.engine.model, self.engine.device, self.engine.dtype
@@ -77,12 +81,12 @@ class Configs:
     def service_configs(self, kind: str) -> list[Any]:
         own = {
             "tokenizer": [self.tokenizer],
-            "prefill": [self.engine, self.spec, self.transport],
+            "prefill": [self.engine, self.spec, self.transport, self.prefill],
             "decode": [self.engine, self.spec, self.transport, self.decode],
             "drafter": [self.drafter, self.spec],
             "gateway": [self.gateway],
         }[kind]
-        return [self.nats, *own]
+        return [self.nats_users.get(kind, self.nats), *own]
 
     def service_argv(self, kind: str) -> list[str]:
         return [arg for config in self.service_configs(kind) for arg in dataclass_argv(config)]
@@ -123,11 +127,9 @@ class Launcher:
     async def _run(self) -> int:
         up, transport = self.configs.up, self.configs.transport
         nats_url = up.nats_url
-        # Servers we start get a secret of this run: no other local user gets in.
+        # Servers we start get secrets of this run: no other local user gets in.
         if nats_url is None:
-            nats = self.configs.nats
-            nats.nats_token = nats.nats_token or secrets.token_hex(24)
-            nats_url = self._serve("nats-server", start_nats, token=nats.nats_token).url
+            nats_url = self._serve_nats()
         if transport.kv_transport == "redis" and transport.redis_url is None:
             transport.redis_password = transport.redis_password or secrets.token_hex(24)
             password = transport.redis_password
@@ -140,7 +142,8 @@ class Launcher:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        bus = await Bus.connect(nats_url, "specmesh-up", self.configs.nats)
+        auth = self.configs.nats_users.get("specmesh-up", self.configs.nats)
+        bus = await Bus.connect(nats_url, "specmesh-up", auth)
         seen: dict[str, str | None] = {}
 
         async def on_heartbeat(beat: Heartbeat) -> None:
@@ -179,6 +182,17 @@ class Launcher:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
         return 0
+
+    def _serve_nats(self) -> str:
+        """Our own nats-server: with the user's token if one was given, else one user per
+        kind of service that may use only that service's subjects."""
+        nats = self.configs.nats
+        if nats.nats_token:
+            return self._serve("nats-server", start_nats, token=nats.nats_token).url
+        passwords = {user: secrets.token_hex(24) for user in SERVICE_USERS}
+        for user, password in passwords.items():
+            self.configs.nats_users[user] = replace(nats, nats_user=user, nats_password=password)
+        return self._serve("nats-server", start_nats, users=nats_users(passwords)).url
 
     def _serve(
         self, name: str, start: Callable[..., ServerProcess], **options: Any

@@ -23,7 +23,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
 from shared.config import option, secret_option
-from shared.protocol import ErrorReply, ProtocolError, RemoteError, decode, encode
+from shared.protocol import ErrorReply, ProtocolError, RemoteError, decode, encode, inbox_prefix
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("specmesh.bus")
@@ -34,6 +34,10 @@ Handler = Callable[[Any], Awaitable[Any]]
 
 class BusError(RuntimeError):
     """No answer in time, or nobody serves the subject."""
+
+
+class NoResponders(BusError):
+    """Nobody serves the subject (right now)."""
 
 
 @dataclass
@@ -86,7 +90,10 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str, auth: NatsAuth | None = None) -> Bus:
-        options = (auth or NatsAuth()).connect_options()
+        auth = auth or NatsAuth()
+        options = auth.connect_options()
+        if auth.nats_user:  # replies come back where only this user may subscribe
+            options["inbox_prefix"] = inbox_prefix(auth.nats_user)
         try:
             # A client that reconnects forever also retries its first connect forever, so a
             # wrong URL or password would hang: one plain attempt first fails fast instead.
@@ -119,9 +126,11 @@ class Bus:
             try:
                 reply = await self.nc.request(subject, encode(msg), timeout, headers=_headers(None))
             except nats.errors.NoRespondersError as exc:
-                raise BusError(f"no service answers on {subject}") from exc
+                raise NoResponders(f"no service answers on {subject}") from exc
             except nats.errors.TimeoutError as exc:
                 raise BusError(f"no reply on {subject} within {timeout} s") from exc
+            except nats.errors.Error as exc:  # reconnecting with a full buffer, closed, ...
+                raise BusError(f"cannot send on {subject}: {exc}") from exc
             return decode(reply.data, expect)
 
     async def publish(
@@ -145,12 +154,12 @@ class Bus:
                 try:
                     reply = await handler(decode(raw.data))
                 except (ValueError, ProtocolError) as exc:
-                    reply = ErrorReply(str(exc), 400)
+                    reply = ErrorReply(message=str(exc), status=400)
                 except RemoteError as exc:
-                    reply = ErrorReply(str(exc), exc.status)
+                    reply = ErrorReply(message=str(exc), status=exc.status)
                 except Exception as exc:
                     log.exception("handler for %s failed", subject)
-                    reply = ErrorReply(f"{type(exc).__name__}: {exc}", 500)
+                    reply = ErrorReply(message=f"{type(exc).__name__}: {exc}", status=500)
                 if raw.reply and reply is not None:
                     await raw.respond(encode(reply))
 
@@ -161,6 +170,12 @@ class Bus:
 
         callback = spawn if concurrent else handle
         self._subscriptions.append(await self.nc.subscribe(subject, queue=queue, cb=callback))
+
+    async def stop_serving(self, subject: str) -> None:
+        """Take no more messages on `subject` (a queue group's others get them)."""
+        for sub in [s for s in self._subscriptions if s.subject == subject]:
+            await sub.unsubscribe()
+            self._subscriptions.remove(sub)
 
     async def close(self) -> None:
         for sub in self._subscriptions:

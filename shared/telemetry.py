@@ -67,6 +67,9 @@ E2E = Histogram(
 PROMPT_TOKENS = Counter("specmesh_prompt_tokens", "prompt tokens of finished requests")
 GENERATION_TOKENS = Counter("specmesh_generation_tokens", "generated tokens of finished requests")
 ROUTED = Counter("specmesh_routed_requests", "requests routed to an instance", ["kind", "instance"])
+MIGRATED = Counter(
+    "specmesh_migrated_requests", "requests resumed on another decode worker", ["outcome"]
+)
 INSTANCES = Gauge("specmesh_instances", "live instances the gateway sees", ["kind"])
 
 # Every service with a queue

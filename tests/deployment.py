@@ -15,10 +15,21 @@ from pathlib import Path
 
 import httpx
 import nats
+from nats.aio.msg import Msg
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.infra import free_port
-from shared.protocol import HEARTBEAT, Heartbeat, decode
+from shared.protocol import (
+    ABORT,
+    HEARTBEAT,
+    SERVICE_USERS,
+    TOKENIZE,
+    Heartbeat,
+    decode,
+    decode_subject,
+    gateway_subject,
+    inbox_prefix,
+)
 
 
 @contextmanager
@@ -113,3 +124,68 @@ async def nats_accepts(url: str, **auth: str) -> bool:
         return False
     await nc.close()
     return True
+
+
+SERVICE_PASSWORDS = {user: f"pw-{user}" for user in SERVICE_USERS}
+
+
+async def _as_user(url: str, user: str, errors: list[str]) -> nats.NATS:
+    """A client with `user`'s credentials (SERVICE_PASSWORDS) that keeps its errors."""
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    return await nats.connect(
+        url,
+        user=user,
+        password=SERVICE_PASSWORDS[user],
+        inbox_prefix=inbox_prefix(user),
+        error_cb=on_error,
+        allow_reconnect=False,
+    )
+
+
+async def _least_privilege(url: str) -> tuple[list[str], list[bytes], bytes]:
+    """A drafter's credentials tried on other services' subjects, next to a gateway and a
+    tokenizer doing their own work. Returns (the drafter's errors, what reached
+    subscribers it should not reach, the gateway's tokenize reply)."""
+    errors: list[str] = []
+    leaked: list[bytes] = []
+    drafter = await _as_user(url, "drafter", errors)
+    gateway = await _as_user(url, "gateway", [])
+    tokenizer = await _as_user(url, "tokenizer", [])
+
+    async def leak(msg: Msg) -> None:
+        leaked.append(msg.data)
+
+    async def tokenize(msg: Msg) -> None:
+        await msg.respond(b"tokens")
+
+    await tokenizer.subscribe(TOKENIZE, cb=tokenize)
+    await gateway.subscribe(gateway_subject("gateway-0"), cb=leak)
+    for subject in (gateway_subject("gateway-0"), TOKENIZE, HEARTBEAT.format(kind="decode")):
+        await drafter.subscribe(subject, cb=leak)
+        await drafter.flush()
+    await drafter.subscribe(f"{inbox_prefix('gateway')}.>", cb=leak)  # the gateway's replies
+    for subject in (gateway_subject("gateway-0"), decode_subject("decode-0"), ABORT, TOKENIZE):
+        await drafter.publish(subject, b"forged")
+    await drafter.flush()
+    reply = await gateway.request(TOKENIZE, b"hello", timeout=5)
+    await asyncio.sleep(0.5)
+    for client in (drafter, gateway, tokenizer):
+        await client.close()
+    return errors, leaked, reply.data
+
+
+def assert_least_privilege(url: str) -> None:
+    """NATS at `url` (users and passwords as SERVICE_PASSWORDS) lets services that talk
+    talk, and keeps a drafter's credentials off every other service's subjects."""
+    errors, leaked, reply = asyncio.run(_least_privilege(url))
+    assert reply == b"tokens"
+    assert leaked == []
+    denied = " ".join(errors).lower()  # nats-py lowercases the server's errors
+    for subject in (gateway_subject("gateway-0"), TOKENIZE, HEARTBEAT.format(kind="decode")):
+        assert f'violation for subscription to "{subject}"' in denied, denied
+    assert f'subscription to "{inbox_prefix("gateway").lower()}.>"' in denied, denied
+    for subject in (gateway_subject("gateway-0"), decode_subject("decode-0"), ABORT):
+        assert f'violation for publish to "{subject}"' in denied, denied

@@ -31,7 +31,7 @@ import httpx
 import pytest
 import redis
 import yaml
-from deployment import chat, scrape, specmesh_up
+from deployment import SERVICE_PASSWORDS, assert_least_privilege, chat, scrape, specmesh_up
 
 from services.decode.service import DecodeConfig
 from services.drafter.service import DrafterConfig
@@ -41,6 +41,7 @@ from shared.bus import Bus, NatsAuth
 from shared.config import env_name
 from shared.engine.engine import EngineConfig
 from shared.infra import ServerProcess, free_port, start_valkey
+from shared.protocol import nats_users
 from shared.service import ServiceConfig, service_main
 from shared.speculative.config import SpeculativeConfig
 from shared.transport import TransportConfig
@@ -176,8 +177,10 @@ def test_compose_environment_is_wired() -> None:
         assert env["SPECMESH_REDIS_URL"].startswith("redis://valkey:6379")
         assert env["SPECMESH_METRICS_HOST"] == "0.0.0.0"  # reachable by Prometheus
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4318"
-        # The servers' passwords and the clients' come from the same variables.
-        nats_password = services["nats"]["environment"]["NATS_PASSWORD"]
+        # The servers' passwords and the clients' come from the same variables; each kind
+        # of service is its own NATS user.
+        assert env["SPECMESH_NATS_USER"] == name
+        nats_password = services["nats"]["environment"][f"NATS_{name.upper()}_PASSWORD"]
         assert env["SPECMESH_NATS_PASSWORD"] == nats_password
         redis_password = services["valkey"]["environment"]["VALKEY_PASSWORD"]
         assert env["SPECMESH_REDIS_PASSWORD"] == redis_password
@@ -193,7 +196,7 @@ def test_compose_has_no_default_passwords() -> None:
     text = (ROOT / "docker-compose.yml").read_text()
     passwords = re.findall(r"\$\{(\w*PASSWORD\w*)([^}]*)\}", text)
     assert {name for name, _ in passwords} == {
-        "SPECMESH_NATS_PASSWORD",
+        *(f"SPECMESH_NATS_{name.upper()}_PASSWORD" for name in SERVICES),
         "SPECMESH_REDIS_PASSWORD",
         "GRAFANA_ADMIN_PASSWORD",
     }
@@ -361,7 +364,8 @@ def secured_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str
     binary = Path(sysconfig.get_path("scripts")) / "nats-server"
     argv = [str(binary), "-c", str(tmp / "nats.conf"), "-a", "127.0.0.1"]
     argv += ["-p", str(port), "-m", str(monitor)]
-    env = {**os.environ, "NATS_USER": "specmesh", "NATS_PASSWORD": NATS_PASSWORD}
+    passwords = {f"NATS_{user.upper()}_PASSWORD": pw for user, pw in SERVICE_PASSWORDS.items()}
+    env = {**os.environ, **passwords}
     with open(tmp / "nats.log", "wb") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -408,14 +412,31 @@ def test_nats_config_serves_jetstream_monitoring_and_auth(secured_nats: tuple[st
         bus = await Bus.connect(url, "test", auth)
         await bus.close()
 
-    asyncio.run(connect(NatsAuth(nats_user="specmesh", nats_password=NATS_PASSWORD)))
+    asyncio.run(connect(NatsAuth(nats_user="gateway", nats_password=SERVICE_PASSWORDS["gateway"])))
     with pytest.raises(ConnectionError):
-        asyncio.run(connect(NatsAuth(nats_user="specmesh", nats_password="wrong")))
+        asyncio.run(connect(NatsAuth(nats_user="gateway", nats_password="wrong")))
+
+
+def test_deployed_nats_gives_each_service_only_its_subjects(
+    secured_nats: tuple[str, int],
+) -> None:
+    """deploy/nats.conf and the Nomad job's copy list the permissions shared/protocol.py
+    defines (what `specmesh up` gives its own server), and nats-server enforces them."""
+    infra = _blocks(_blocks(_hcl("specmesh-infra.nomad.hcl")["job"])["specmesh-infra"]["group"])
+    (nats_task,) = _blocks(infra["nats"]["task"]).values()
+    nomad = nats_task["template"][0]["data"].replace('\\"', '"')  # python-hcl2 escapes them
+    for config in ((DEPLOY / "nats.conf").read_text(), nomad):
+        entries = re.findall(r"\{user: (\w+), password: .*,\s*permissions: (\{.*\})\}", config)
+        expected = nats_users(dict.fromkeys(SERVICES, ""))
+        assert {u: json.loads(p) for u, p in entries} == {
+            e["user"]: e["permissions"] for e in expected
+        }
+    assert_least_privilege(secured_nats[0])
 
 
 def test_a_wrong_nats_password_fails_at_start(secured_nats: tuple[str, int]) -> None:
     argv = [sys.executable, "-m", "services.drafter", "--speculative-algorithm", "NGRAM"]
-    argv += ["--nats-url", secured_nats[0], "--nats-user", "specmesh"]
+    argv += ["--nats-url", secured_nats[0], "--nats-user", "drafter"]
     env = {**os.environ, "SPECMESH_NATS_PASSWORD": "wrong"}
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Authorization Violation" in result.stderr
@@ -470,17 +491,14 @@ def test_secrets_come_from_flags_environment_or_files(
 @pytest.fixture(scope="module")
 def deployment(
     smollm_dir: Path,
-    secured_nats: tuple[str, int],
     secured_valkey: ServerProcess,
     secret_files: dict[str, Path],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[str, Path]]:
-    """`specmesh up` with NGRAM against the password-protected servers, passwords from
-    files: (HTTP URL, launcher output)."""
+    """`specmesh up` with NGRAM against a password-protected valkey, its password from a
+    file: (HTTP URL, launcher output)."""
     log = tmp_path_factory.mktemp("up") / "up.log"
-    args = ["--nats-url", secured_nats[0], "--nats-user", "specmesh"]
-    args += ["--nats-password-file", str(secret_files["nats"])]
-    args += ["--kv-transport", "redis", "--redis-url", secured_valkey.url]
+    args = ["--kv-transport", "redis", "--redis-url", secured_valkey.url]
     args += ["--redis-password-file", str(secret_files["redis"]), "--kv-namespace", "deploy-test"]
     args += ["--speculative-algorithm", "NGRAM"]
     with specmesh_up(smollm_dir, *args, log=log) as url:

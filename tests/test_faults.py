@@ -6,25 +6,50 @@ its own requests (a drafter's cost nothing: decode goes on without drafts)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import random
 import re
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
+import msgspec
 import pytest
 import redis
 from deployment import chat_text, heartbeats, nats_accepts, sample, scrape, specmesh_up
 
 from services.gateway.cluster import Cluster, Generation
 from shared.bus import Bus
-from shared.infra import start_nats
-from shared.protocol import TextDelta
+from shared.infra import ServerProcess, start_nats
+from shared.protocol import (
+    ABORT,
+    HEARTBEAT,
+    PREFILL,
+    PROTOCOL_VERSION,
+    Abort,
+    AdmitRequest,
+    Admitted,
+    Heartbeat,
+    PrefillReply,
+    PrefillRequest,
+    RemoteError,
+    TextDelta,
+    TokenBatches,
+    decode,
+    decode_subject,
+    detok_subject,
+)
+from shared.sampling.params import SamplingParams
 
 PROMPTS = [
     "Count from one to twenty in words.",
@@ -33,17 +58,26 @@ PROMPTS = [
     "Spell the word 'elephant' letter by letter.",
 ]
 GREEDY = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
+CAPACITY = 8  # sequences in flight at the gateway before it answers 429
 
 
 class Deployment:
-    def __init__(self, url: str, log: Path, nats_url: str) -> None:
-        self.url, self.log, self.nats_url = url, log, nats_url
+    def __init__(self, url: str, log: Path, nats: ServerProcess) -> None:
+        self.url, self.log, self.nats = url, log, nats
+        self.nats_url = nats.url
 
     def pid(self, instance: str) -> int:
-        """The pid `specmesh up` printed for `instance` when it came up."""
-        match = re.search(rf"^\s+{instance}\s+pid (\d+)", self.log.read_text(), re.M)
-        assert match, self.log.read_text()
-        return int(match.group(1))
+        """The pid of `instance`'s process now (it may have been restarted)."""
+        for proc in Path("/proc").iterdir():
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except (OSError, ValueError):
+                continue
+            if self.nats_url.encode() in argv and f"--instance-id\0{instance}\0".encode() in (
+                b"\0".join(argv) + b"\0"
+            ):
+                return int(proc.name)
+        raise AssertionError(f"no process for {instance}")
 
     def launcher_metrics(self) -> str:
         match = re.search(r"specmesh-up\s+pid \d+\s+(\S+)", self.log.read_text())
@@ -70,12 +104,21 @@ class Deployment:
 def deployment(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     log = tmp_path_factory.mktemp("faults") / "up.log"
     with (
-        start_nats() as bus,
+        start_nats() as nats,
         specmesh_up(
-            smollm_dir, "--speculative-algorithm", "NGRAM", "--nats-url", bus.url, log=log
+            smollm_dir,
+            "--speculative-algorithm",
+            "NGRAM",
+            "--nats-url",
+            nats.url,
+            "--max-pending-requests",
+            str(CAPACITY),
+            "--decoders",
+            "2",
+            log=log,
         ) as url,
     ):
-        yield Deployment(url, log, bus.url)
+        yield Deployment(url, log, nats)
 
 
 def stream_until_done(url: str, prompt: str, first_chunk: threading.Event) -> tuple[str, dict]:
@@ -98,8 +141,11 @@ def stream_until_done(url: str, prompt: str, first_chunk: threading.Event) -> tu
     return text, error
 
 
-def kill_mid_stream(d: Deployment, instance: str, prompts: list[str]) -> list[tuple[str, dict]]:
-    """Streams `prompts` at once, SIGKILLs `instance` once all have output, returns them."""
+def kill_mid_stream(
+    d: Deployment, instance: str, prompts: list[str], sig: signal.Signals = signal.SIGKILL
+) -> tuple[list[tuple[str, dict]], float]:
+    """Streams `prompts` at once and signals `instance` once all have output: (the
+    streams' results, seconds from the signal until the last ended)."""
     started = [threading.Event() for _ in prompts]
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [
@@ -108,11 +154,37 @@ def kill_mid_stream(d: Deployment, instance: str, prompts: list[str]) -> list[tu
         ]
         for event in started:
             assert event.wait(60), "no stream produced output"
-        os.kill(d.pid(instance), signal.SIGKILL)
+        os.kill(d.pid(instance), sig)
         killed = time.monotonic()
         results = [f.result(timeout=60) for f in futures]
-    assert time.monotonic() - killed < 30
-    return results
+    return results, time.monotonic() - killed
+
+
+def _leak_gauges(d: Deployment) -> dict[str, float]:
+    """Every live service's requests in flight and KV blocks in use, by instance."""
+    urls = {i: b.metrics_url for i, b in heartbeats(d.nats_url).items() if b.metrics_url}
+    urls["gateway"] = f"{d.url}/metrics"
+    gauges = {}
+    for instance, url in urls.items():
+        samples = scrape(url)
+        service = "gateway" if instance == "gateway" else instance.rsplit("-", 1)[0]
+        gauges[f"{instance} requests"] = sample(
+            samples, "specmesh_active_requests", service=service
+        )
+        if service in ("prefill", "decode"):
+            gauges[f"{instance} kv blocks"] = sample(
+                samples, "specmesh_kv_blocks_used", service=service
+            )
+    return gauges
+
+
+def assert_nothing_held(d: Deployment, seconds: float = 60) -> None:
+    """Within `seconds`, every service of the deployment holds no request and no KV block."""
+    deadline = time.monotonic() + seconds
+    while any((gauges := _leak_gauges(d)).values()):
+        assert time.monotonic() < deadline, f"still held after {seconds} s: {gauges}"
+        time.sleep(1)
+    assert len(gauges) >= 9, gauges  # every service reported
 
 
 def test_a_killed_drafter_costs_no_request_anything(deployment: Deployment) -> None:
@@ -120,26 +192,221 @@ def test_a_killed_drafter_costs_no_request_anything(deployment: Deployment) -> N
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         reference = list(pool.map(lambda p: chat_text(d.url, p, **GREEDY), PROMPTS))
     incarnation = heartbeats(d.nats_url)["drafter-0"].incarnation
-    results = kill_mid_stream(d, "drafter-0", PROMPTS)
-    assert [error for _, error in results] == [{}] * len(PROMPTS)
-    assert [text for text, _ in results] == reference  # decode went on without drafts
+    results, seconds = kill_mid_stream(d, "drafter-0", PROMPTS * 2)
+    assert seconds < 30
+    assert results == [(text, {}) for text in reference * 2]  # decode went on without drafts
     d.wait_restarted("drafter-0", incarnation)
     assert d.restarts("drafter-0") == 1
     assert chat_text(d.url, PROMPTS[0], **GREEDY) == reference[0]
+    assert_nothing_held(d)
 
 
-def test_a_killed_decode_worker_fails_its_requests_clearly_then_serves_again(
+def test_a_killed_decode_workers_requests_move_and_complete_unchanged(
     deployment: Deployment,
 ) -> None:
+    """SIGKILL of decode-0 under 8 greedy streams: the gateway resumes each of its requests
+    on the other worker (prefilling the prompt and the tokens so far), and every stream
+    ends with the text it would have had; decode-0 is restarted and serves again."""
     d = deployment
+    prompts = PROMPTS * 2
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        reference = list(pool.map(lambda p: chat_text(d.url, p, **GREEDY), PROMPTS))
     incarnation = heartbeats(d.nats_url)["decode-0"].incarnation
-    start = time.monotonic()
-    [(_, error)] = kill_mid_stream(d, "decode-0", PROMPTS[:1])
-    assert error and "decode" in error["message"], error  # the only worker: a clear error
-    assert time.monotonic() - start < 40
+    moved = sample(scrape(f"{d.url}/metrics"), "specmesh_migrated_requests_total", outcome="moved")
+    results, seconds = kill_mid_stream(d, "decode-0", prompts)
+    assert seconds < 45
+    assert results == [(reference[i % len(PROMPTS)], {}) for i in range(len(prompts))]
+    after = sample(scrape(f"{d.url}/metrics"), "specmesh_migrated_requests_total", outcome="moved")
+    assert after > moved  # some of them were on decode-0
     d.wait_restarted("decode-0", incarnation)
     assert d.restarts("decode-0") == 1
-    assert chat_text(d.url, PROMPTS[1], **GREEDY)
+    assert chat_text(d.url, PROMPTS[1], **GREEDY) == reference[1]
+    assert_nothing_held(d)
+
+
+def test_a_killed_prefill_workers_calls_are_sent_again_and_complete_unchanged(
+    deployment: Deployment,
+) -> None:
+    """SIGKILL of the only prefill worker with 4 streams running and 4 more arriving: the
+    gateway sends the calls that were in flight again and waits for the restarted
+    worker, so all 8 streams end with their own text; then nothing is held."""
+    d = deployment
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        reference = list(pool.map(lambda p: chat_text(d.url, p, **GREEDY), PROMPTS))
+    incarnation = heartbeats(d.nats_url)["prefill-0"].incarnation
+    restarts = d.restarts("prefill-0")
+    started = [threading.Event() for _ in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        first = [
+            pool.submit(stream_until_done, d.url, p, e)
+            for p, e in zip(PROMPTS, started[:4], strict=True)
+        ]
+        for event in started[:4]:
+            assert event.wait(60)
+        os.kill(d.pid("prefill-0"), signal.SIGKILL)
+        later = [
+            pool.submit(stream_until_done, d.url, p, e)
+            for p, e in zip(PROMPTS, started[4:], strict=True)
+        ]
+        results = [f.result(timeout=90) for f in first + later]
+    assert results == [(text, {}) for text in reference * 2]
+    d.wait_restarted("prefill-0", incarnation)
+    assert d.restarts("prefill-0") == restarts + 1
+    assert_nothing_held(d)
+
+
+def test_a_decode_worker_that_only_seemed_lost_cannot_corrupt_moved_streams(
+    deployment: Deployment,
+) -> None:
+    """decode-0 frozen (SIGSTOP) for 5 s: the gateway moves its requests, then decode-0
+    runs again and finishes its copies; their tokens are ignored (the detokenizer takes
+    the newer placement's only) and every text is unchanged."""
+    d = deployment
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        reference = list(pool.map(lambda p: chat_text(d.url, p, **GREEDY), PROMPTS))
+    pid = d.pid("decode-0")
+    started = [threading.Event() for _ in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        streams = [
+            pool.submit(stream_until_done, d.url, p, e)
+            for p, e in zip(PROMPTS, started, strict=True)
+        ]
+        for event in started:
+            assert event.wait(60)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(5)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert [s.result(timeout=60) for s in streams] == [(text, {}) for text in reference]
+    assert d.pid("decode-0") == pid  # the same process, back in service
+    assert chat_text(d.url, PROMPTS[2], **GREEDY) == reference[2]
+
+
+def _drop(url: str, prompt: str, where: str, rng: random.Random) -> None:
+    """A streaming chat whose client goes away `where`."""
+    body = {"messages": [{"role": "user", "content": prompt}], "stream": True}
+    body |= {"temperature": 0, "max_tokens": 32, "ignore_eos": True}
+    if where == "before the first byte":  # the whole request, then the connection closes
+        payload = json.dumps(body).encode()
+        host, port = urlsplit(url).hostname, urlsplit(url).port
+        with socket.create_connection((host, port)) as sock:
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\n"
+                + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                + payload
+            )
+        return
+    # during prefill: gone before the response starts; mid-stream: after a few events
+    read = rng.uniform(0.01, 0.3) if where == "during prefill" else 60
+    timeout = httpx.Timeout(60, read=read)
+    with contextlib.suppress(httpx.TimeoutException):
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n >= rng.randint(1, 12):
+                    break
+
+
+def test_a_disconnect_storm_leaks_nothing(deployment: Deployment) -> None:
+    """300 streams whose clients leave at random points: afterwards every service's
+    requests-in-flight and KV-blocks-in-use gauges are back to zero and the next
+    request is served as before."""
+    d = deployment
+    reference = chat_text(d.url, PROMPTS[1], **GREEDY)
+    rng = random.Random(0)
+    wheres = ["before the first byte", "during prefill", "mid-stream"]
+    drops = [(PROMPTS[i % len(PROMPTS)], rng.choice(wheres), random.Random(i)) for i in range(300)]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda drop: _drop(d.url, *drop), drops))
+    assert_nothing_held(d)
+    assert chat_text(d.url, PROMPTS[1], **GREEDY) == reference
+
+
+def _load(url: str, clients: int, seconds: float, timeout: float) -> list[tuple[str, float]]:
+    """`clients` threads sending short chats back to back for `seconds`: (outcome, when it
+    came, in seconds from the start) per request; outcome is the HTTP status or "timeout"."""
+    body = {"messages": [{"role": "user", "content": PROMPTS[0]}], **GREEDY, "max_tokens": 8}
+    start = time.monotonic()
+
+    def client() -> list[tuple[str, float]]:
+        outcomes = []
+        with httpx.Client(timeout=timeout) as http:
+            while time.monotonic() - start < seconds:
+                try:
+                    status = str(http.post(f"{url}/v1/chat/completions", json=body).status_code)
+                except httpx.TimeoutException:
+                    status = "timeout"
+                outcomes.append((status, time.monotonic() - start))
+                if status == "429":
+                    time.sleep(0.25)  # as clients back off (the OpenAI SDK: 0.5 s and up)
+        return outcomes
+
+    with ThreadPoolExecutor(clients) as pool:
+        return [o for outcomes in pool.map(lambda _: client(), range(clients)) for o in outcomes]
+
+
+def test_overload_is_refused_fast_and_goodput_recovers(deployment: Deployment) -> None:
+    """3x the gateway's capacity, clients that give up after 5 s, for 20 s; then a
+    quarter of capacity: while overloaded only 200/429/503 (or the client's own
+    timeout) and some served, afterwards every request succeeds, the first within 5 s."""
+    d = deployment
+    overload = _load(d.url, 3 * CAPACITY, 20, 5.0)
+    statuses = {status for status, _ in overload}
+    assert statuses <= {"200", "429", "503", "timeout"}, statuses
+    assert "200" in statuses and "429" in statuses, statuses  # served some, refused some
+    after = _load(d.url, CAPACITY // 4, 10, 30.0)
+    assert {status for status, _ in after} == {"200"}, after
+    assert min(when for _, when in after) < 5, after
+    assert_nothing_held(d)
+
+
+@pytest.mark.parametrize("seconds", [5, 30])
+def test_a_nats_outage_under_load_stops_no_service(deployment: Deployment, seconds: int) -> None:
+    """nats-server frozen (SIGSTOP) under 4 streams: each stream completes or fails
+    clearly well before its deadline, no service exits, and once NATS is back the
+    deployment serves as before."""
+    d = deployment
+    reference = chat_text(d.url, PROMPTS[0], **GREEDY)
+    pids = {instance: d.pid(instance) for instance in heartbeats(d.nats_url)}
+    started = [threading.Event() for _ in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        streams = [
+            pool.submit(stream_until_done, d.url, p, e)
+            for p, e in zip(PROMPTS, started, strict=True)
+        ]
+        for event in started:
+            assert event.wait(60)
+        os.kill(d.nats.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            os.kill(d.nats.proc.pid, signal.SIGCONT)
+        for stream in streams:  # an error ("... went away") or the whole text, in time
+            text, error = stream.result(timeout=60)
+            assert error or text, (text, error)
+    deadline = time.monotonic() + 60
+    while set(heartbeats(d.nats_url)) != set(pids):
+        assert time.monotonic() < deadline, "the services did not come back"
+    assert {instance: d.pid(instance) for instance in pids} == pids  # nobody exited
+    assert chat_text(d.url, PROMPTS[0], **GREEDY) == reference
+    assert_nothing_held(d)
+
+
+def test_a_decode_worker_stopped_with_sigterm_finishes_its_streams_first(
+    deployment: Deployment,
+) -> None:
+    """SIGTERM (a rolling update, `docker stop`): the worker says it is draining, takes no
+    new requests, finishes those in flight, then exits; the launcher starts it again."""
+    d = deployment
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        reference = list(pool.map(lambda p: chat_text(d.url, p, **GREEDY), PROMPTS))
+    incarnation = heartbeats(d.nats_url)["decode-0"].incarnation
+    results, _ = kill_mid_stream(d, "decode-0", PROMPTS, signal.SIGTERM)
+    assert results == [(text, {}) for text in reference]
+    d.wait_restarted("decode-0", incarnation)
+    assert chat_text(d.url, PROMPTS[0], **GREEDY) == reference[0]
+    assert_nothing_held(d)
 
 
 def test_the_launchers_servers_need_its_secret_and_come_back_when_killed(
@@ -206,27 +473,146 @@ def test_poison_input_gets_400_and_costs_a_concurrent_request_nothing(
         assert canary.result(60) == (reference, {})
 
 
-def test_a_frozen_tokenizer_fails_its_streams_clearly_then_serves_again(
+async def _crafted_messages(nats_url: str) -> list[str]:
+    """Messages a buggy or hostile peer could send each service; returns what came back
+    from those that answer."""
+    bus = await Bus.connect(nats_url, "crafted")
+    params = SamplingParams(temperature=0, max_tokens=4)
+    outcomes = []
+    try:
+        for msg in (
+            PrefillRequest(request_id="c1", prompt_ids=[1, 10**9], params=params),  # vocab
+            PrefillRequest(request_id="c2", prompt_ids=[], params=params),
+        ):
+            with pytest.raises(RemoteError) as info:
+                await bus.request(PREFILL, msg, PrefillReply, 30)
+            outcomes.append(f"{info.value.status} {info.value}")
+        raw = msgspec.msgpack.encode(
+            [PROTOCOL_VERSION, "PrefillRequest", {"request_id": "c3", "prompt_ids": "abc"}]
+        )
+        reply = await bus.nc.request(PREFILL, raw, timeout=30)
+        with pytest.raises(RemoteError) as info:
+            decode(reply.data, PrefillReply)
+        outcomes.append(f"{info.value.status} {info.value}")
+        # Admitted with K/V keys that name nothing: decode recomputes the prompt itself.
+        prefill = PrefillReply(
+            first_token=42, logprob=None, top_logprobs=None, kv_keys=["nope"], num_computed_tokens=2
+        )
+        admit = AdmitRequest(
+            request_id="c4",
+            prompt_ids=[1, 2],
+            params=params,
+            prefill=prefill,
+            drafter_id=None,
+            detok_subject="crafted.detok",
+            output_subject="crafted.out",
+        )
+        got: asyncio.Queue[TokenBatches] = asyncio.Queue()
+        await bus.serve("crafted.detok", got.put)
+        await bus.request(decode_subject("decode-0"), admit, Admitted, 30)
+        tokens: list[int] = []
+        while not (batch := (await asyncio.wait_for(got.get(), 60)).batches[-1]).finish_reason:
+            tokens += batch.token_ids
+        outcomes.append(f"{batch.finish_reason} {len(tokens + batch.token_ids)} tokens")
+        for garbage in (b"\x00", b"\xc1" * 64):  # no reply expected; must not harm anyone
+            for subject in (PREFILL, decode_subject("decode-0"), detok_subject("tokenizer-0")):
+                await bus.nc.publish(subject, garbage)
+    finally:
+        await bus.close()
+    return outcomes
+
+
+def test_crafted_internal_messages_fail_only_themselves(deployment: Deployment) -> None:
+    """Wrong types, out-of-vocabulary tokens, K/V keys that name nothing and bytes that
+    are no message at all, sent straight to the services while a canary streams."""
+    d = deployment
+    reference = chat_text(d.url, PROMPTS[2], **GREEDY)
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        canary = pool.submit(stream_until_done, d.url, PROMPTS[2], started)
+        assert started.wait(60)
+        outcomes = asyncio.run(_crafted_messages(d.nats_url))
+        assert canary.result(60) == (reference, {})
+    assert outcomes[0].startswith("400 prompt token ids must be in"), outcomes
+    assert outcomes[1] == "400 the prompt is empty", outcomes
+    assert outcomes[2].startswith("400 bad PrefillRequest"), outcomes
+    assert outcomes[3] == "length 4 tokens", outcomes
+    assert chat_text(d.url, PROMPTS[2], **GREEDY) == reference
+
+
+def test_a_killed_tokenizer_fails_its_streams_clearly_then_serves_again(
     deployment: Deployment,
 ) -> None:
-    """The detokenizer is lost (SIGSTOP): its streams fail like a lost decode worker's."""
+    """SIGKILL of the only tokenizer (the detokenizer of 8 streams): each stream ends with
+    a clear error within 10 s, the tokenizer is restarted and serves, nothing is held."""
     d = deployment
-    pid = d.pid("tokenizer-0")
-    started, start = threading.Event(), time.monotonic()
-    with ThreadPoolExecutor(1) as pool:
-        stream = pool.submit(stream_until_done, d.url, PROMPTS[3], started)
-        assert started.wait(60)
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            _, error = stream.result(30)
-        finally:
-            os.kill(pid, signal.SIGCONT)
-    assert "tokenizer" in error.get("message", ""), error
-    assert time.monotonic() - start < 20
-    deadline = time.monotonic() + 30
-    while "tokenizer-0" not in heartbeats(d.nats_url, 1.5):
-        assert time.monotonic() < deadline
+    incarnation = heartbeats(d.nats_url)["tokenizer-0"].incarnation
+    results, seconds = kill_mid_stream(d, "tokenizer-0", PROMPTS * 2)
+    for _, error in results:
+        assert "tokenizer" in error.get("message", ""), error
+    assert seconds < 10
+    d.wait_restarted("tokenizer-0", incarnation)
     assert chat_text(d.url, PROMPTS[3], **GREEDY)
+    assert_nothing_held(d)
+
+
+async def _fill_and_abort(nats_url: str) -> tuple[str, float, int]:
+    """A long prompt holds prefill's only slot; a second is refused; the first is
+    aborted. Returns (the refusal, seconds until prefill's engine is idle again, what
+    a short prompt computed then)."""
+    bus = await Bus.connect(nats_url, "test")
+    params = SamplingParams(temperature=0, max_tokens=1)
+    long_prompt = PrefillRequest(request_id="long", prompt_ids=[42] * 4000, params=params)
+    short = PrefillRequest(request_id="short", prompt_ids=[1, 2, 3], params=params)
+    try:
+        held = asyncio.create_task(bus.request(PREFILL, long_prompt, PrefillReply, 120))
+        await asyncio.sleep(1.0)
+        with pytest.raises(RemoteError) as refused:
+            await bus.request(PREFILL, short, PrefillReply, 30)
+        assert refused.value.status == 503
+        start = time.monotonic()
+        await bus.publish(ABORT, Abort(request_id="long"))
+        while (await _prefill_beat(bus)).active_requests:
+            pass
+        idle = time.monotonic() - start
+        reply = await bus.request(PREFILL, short, PrefillReply, 30)
+        assert not held.done()  # an aborted prompt gets no reply
+        held.cancel()
+        return str(refused.value), idle, reply.num_computed_tokens
+    finally:
+        await bus.close()
+
+
+async def _prefill_beat(bus: Bus) -> Heartbeat:
+    sub = await bus.nc.subscribe(HEARTBEAT.format(kind="prefill"))
+    try:
+        msg = await sub.next_msg(timeout=5)
+        return decode(msg.data, Heartbeat)
+    finally:
+        await sub.unsubscribe()
+
+
+def test_prefill_refuses_past_its_queue_bound_and_drops_aborted_prompts(
+    smollm_dir: Path,
+) -> None:
+    """4000 prompt tokens in 32-token chunks keep prefill busy for many seconds; an abort
+    ends them within a step or two."""
+    with start_nats() as nats_server:
+        argv = [sys.executable, "-m", "services.prefill", "--nats-url", nats_server.url]
+        argv += ["--model", str(smollm_dir), "--kv-cache-gb", "0.25", "--max-queued-requests", "1"]
+        argv += ["--kv-namespace", f"abort-test-{os.getpid()}", "--max-num-batched-tokens", "32"]
+        proc = subprocess.Popen(argv)
+        try:
+            deadline = time.monotonic() + 120
+            while "prefill" not in " ".join(heartbeats(nats_server.url, 1.0)):
+                assert proc.poll() is None and time.monotonic() < deadline
+            refused, idle, computed = asyncio.run(_fill_and_abort(nats_server.url))
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    assert "prompts in flight; retry later" in refused
+    assert idle < 5, idle
+    assert computed == 3
 
 
 def test_a_request_without_output_fails_after_its_idle_timeout() -> None:

@@ -11,7 +11,7 @@ import httpx
 import nats
 import pytest
 import redis
-from deployment import nats_accepts
+from deployment import SERVICE_PASSWORDS, assert_least_privilege, nats_accepts
 from nats.aio.msg import Msg
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from otlp_receiver import OtlpReceiver
 
 from shared.infra import ServerProcess, start_nats, start_valkey
+from shared.protocol import nats_users
 
 Starter = Callable[..., ServerProcess]
 
@@ -78,6 +79,13 @@ def test_servers_with_a_secret_refuse_clients_without_it() -> None:
         with redis.Redis.from_url(server.url, password="s3cret-pass") as client:
             assert client.ping()
         assert "s3cret-pass" not in " ".join(server.proc.args)
+
+
+def test_each_service_reaches_only_its_own_nats_subjects() -> None:
+    with start_nats(users=nats_users(SERVICE_PASSWORDS)) as server:
+        assert not asyncio.run(nats_accepts(server.url))
+        assert not asyncio.run(nats_accepts(server.url, user="drafter", password="pw-gateway"))
+        assert_least_privilege(server.url)
 
 
 @pytest.mark.parametrize("start", [start_nats, start_valkey])

@@ -2,7 +2,9 @@
 # an OpenTelemetry collector and Jaeger for traces. One job, separate from the services, so
 # either can be updated alone.
 #
-#   nomad var put nomad/jobs nats_password=... redis_password=...
+#   nomad var put nomad/jobs nats_gateway_password=... nats_tokenizer_password=... \
+#     nats_prefill_password=... nats_decode_password=... nats_drafter_password=... \
+#     redis_password=...
 #   nomad job run deploy/nomad/specmesh-infra.nomad.hcl
 #
 # The services then get nats://<nats host>:4222, redis://<valkey host>:6379/0 and
@@ -88,8 +90,19 @@ job "specmesh-infra" {
             max_file_store: 1GB
           }
           authorization {
-            user: specmesh
-            password: "{{ with nomadVar "nomad/jobs" }}{{ .nats_password }}{{ end }}"
+            # one user per kind of service, allowed only its own subjects (as deploy/nats.conf)
+            users = [
+              {user: gateway, password: "{{ with nomadVar "nomad/jobs" }}{{ .nats_gateway_password }}{{ end }}",
+               permissions: {"publish": {"allow": ["specmesh.tokenizer.tokenize", "specmesh.prefill", "specmesh.decode.*.admit", "specmesh.tokenizer.*.resume", "specmesh.abort", "specmesh.heartbeat.gateway"]}, "subscribe": {"allow": ["specmesh.gateway.*.out", "specmesh.heartbeat.*", "_INBOX.gateway.>"]}, "allow_responses": true}},
+              {user: tokenizer, password: "{{ with nomadVar "nomad/jobs" }}{{ .nats_tokenizer_password }}{{ end }}",
+               permissions: {"publish": {"allow": ["specmesh.gateway.*.out", "specmesh.abort", "specmesh.heartbeat.tokenizer"]}, "subscribe": {"allow": ["specmesh.tokenizer.tokenize", "specmesh.tokenizer.*.detok", "specmesh.tokenizer.*.resume", "specmesh.abort", "_INBOX.tokenizer.>"]}, "allow_responses": true}},
+              {user: prefill, password: "{{ with nomadVar "nomad/jobs" }}{{ .nats_prefill_password }}{{ end }}",
+               permissions: {"publish": {"allow": ["specmesh.heartbeat.prefill"]}, "subscribe": {"allow": ["specmesh.prefill", "specmesh.abort", "_INBOX.prefill.>"]}, "allow_responses": true}},
+              {user: decode, password: "{{ with nomadVar "nomad/jobs" }}{{ .nats_decode_password }}{{ end }}",
+               permissions: {"publish": {"allow": ["specmesh.tokenizer.*.detok", "specmesh.drafter.*", "specmesh.heartbeat.decode"]}, "subscribe": {"allow": ["specmesh.decode.*.admit", "specmesh.abort", "_INBOX.decode.>"]}, "allow_responses": true}},
+              {user: drafter, password: "{{ with nomadVar "nomad/jobs" }}{{ .nats_drafter_password }}{{ end }}",
+               permissions: {"publish": {"allow": ["specmesh.heartbeat.drafter"]}, "subscribe": {"allow": ["specmesh.drafter.*", "specmesh.abort", "_INBOX.drafter.>"]}, "allow_responses": true}}
+            ]
           }
         EOT
       }

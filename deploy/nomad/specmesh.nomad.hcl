@@ -7,7 +7,10 @@
 #
 # Secrets come from Nomad Variables, rendered into each task's secrets/ directory and read
 # through SPECMESH_*_PASSWORD_FILE (so they never appear in the job or the environment):
-#   nomad var put nomad/jobs nats_password=... redis_password=...
+#   nomad var put nomad/jobs nats_gateway_password=... nats_tokenizer_password=... \
+#     nats_prefill_password=... nats_decode_password=... nats_drafter_password=... \
+#     redis_password=...
+# (one NATS user per kind of service, allowed only its own subjects: specmesh-infra's nats.conf)
 # Clients need the Docker driver, a host volume "specmesh-models" for the model cache, and
 # for the decode and drafter pools the NVIDIA device plugin (device "nvidia/gpu").
 
@@ -136,7 +139,7 @@ job "specmesh" {
       env {
         SPECMESH_INSTANCE_ID        = "gateway-${NOMAD_SHORT_ALLOC_ID}"
         SPECMESH_NATS_URL           = var.nats_url
-        SPECMESH_NATS_USER          = "specmesh"
+        SPECMESH_NATS_USER          = "gateway"
         SPECMESH_NATS_PASSWORD_FILE = "${NOMAD_SECRETS_DIR}/nats_password"
         SPECMESH_HOST               = "0.0.0.0"
         SPECMESH_PORT               = "8000"
@@ -146,7 +149,7 @@ job "specmesh" {
       template {
         destination = "secrets/nats_password"
         change_mode = "restart"
-        data        = "{{ with nomadVar \"nomad/jobs\" }}{{ .nats_password }}{{ end }}"
+        data        = "{{ with nomadVar \"nomad/jobs\" }}{{ .nats_gateway_password }}{{ end }}"
       }
 
       resources {
@@ -211,7 +214,7 @@ job "specmesh" {
       env {
         SPECMESH_INSTANCE_ID        = "tokenizer-${NOMAD_SHORT_ALLOC_ID}"
         SPECMESH_NATS_URL           = var.nats_url
-        SPECMESH_NATS_USER          = "specmesh"
+        SPECMESH_NATS_USER          = "tokenizer"
         SPECMESH_NATS_PASSWORD_FILE = "${NOMAD_SECRETS_DIR}/nats_password"
         SPECMESH_METRICS_HOST       = "0.0.0.0"
         SPECMESH_METRICS_PORT       = "9100"
@@ -221,7 +224,7 @@ job "specmesh" {
       template {
         destination = "secrets/nats_password"
         change_mode = "restart"
-        data        = "{{ with nomadVar \"nomad/jobs\" }}{{ .nats_password }}{{ end }}"
+        data        = "{{ with nomadVar \"nomad/jobs\" }}{{ .nats_tokenizer_password }}{{ end }}"
       }
 
       resources {
@@ -286,7 +289,7 @@ job "specmesh" {
       env {
         SPECMESH_INSTANCE_ID         = "prefill-${NOMAD_SHORT_ALLOC_ID}"
         SPECMESH_NATS_URL            = var.nats_url
-        SPECMESH_NATS_USER           = "specmesh"
+        SPECMESH_NATS_USER           = "prefill"
         SPECMESH_NATS_PASSWORD_FILE  = "${NOMAD_SECRETS_DIR}/nats_password"
         SPECMESH_KV_TRANSPORT        = "redis"
         SPECMESH_REDIS_URL           = var.redis_url
@@ -301,7 +304,7 @@ job "specmesh" {
       template {
         destination = "secrets/nats_password"
         change_mode = "restart"
-        data        = "{{ with nomadVar \"nomad/jobs\" }}{{ .nats_password }}{{ end }}"
+        data        = "{{ with nomadVar \"nomad/jobs\" }}{{ .nats_prefill_password }}{{ end }}"
       }
 
       template {
@@ -355,7 +358,7 @@ job "specmesh" {
 
     task "decode" {
       driver       = "docker"
-      kill_timeout = "30s" # SIGTERM: goodbye heartbeat, then the requests in flight end
+      kill_timeout = "30s" # SIGTERM: no new requests, those in flight finish (--drain-timeout)
 
       config {
         image   = var.gpu_image
@@ -372,7 +375,7 @@ job "specmesh" {
       env {
         SPECMESH_INSTANCE_ID           = "decode-${NOMAD_SHORT_ALLOC_ID}"
         SPECMESH_NATS_URL              = var.nats_url
-        SPECMESH_NATS_USER             = "specmesh"
+        SPECMESH_NATS_USER             = "decode"
         SPECMESH_NATS_PASSWORD_FILE    = "${NOMAD_SECRETS_DIR}/nats_password"
         SPECMESH_KV_TRANSPORT          = "redis"
         SPECMESH_REDIS_URL             = var.redis_url
@@ -388,7 +391,7 @@ job "specmesh" {
       template {
         destination = "secrets/nats_password"
         change_mode = "restart"
-        data        = "{{ with nomadVar \"nomad/jobs\" }}{{ .nats_password }}{{ end }}"
+        data        = "{{ with nomadVar \"nomad/jobs\" }}{{ .nats_decode_password }}{{ end }}"
       }
 
       template {
@@ -463,7 +466,7 @@ job "specmesh" {
       env {
         SPECMESH_INSTANCE_ID           = "drafter-${NOMAD_SHORT_ALLOC_ID}"
         SPECMESH_NATS_URL              = var.nats_url
-        SPECMESH_NATS_USER             = "specmesh"
+        SPECMESH_NATS_USER             = "drafter"
         SPECMESH_NATS_PASSWORD_FILE    = "${NOMAD_SECRETS_DIR}/nats_password"
         SPECMESH_SPECULATIVE_ALGORITHM = var.speculative_algorithm
         SPECMESH_SPECULATIVE_DRAFT_MODEL_PATH = var.speculative_draft_model_path
@@ -476,7 +479,7 @@ job "specmesh" {
       template {
         destination = "secrets/nats_password"
         change_mode = "restart"
-        data        = "{{ with nomadVar \"nomad/jobs\" }}{{ .nats_password }}{{ end }}"
+        data        = "{{ with nomadVar \"nomad/jobs\" }}{{ .nats_drafter_password }}{{ end }}"
       }
 
       resources {

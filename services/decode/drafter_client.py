@@ -57,13 +57,17 @@ class DrafterClient:
 
     def open(self, request_id: str, prompt_ids: list[int]) -> None:
         self.last_token[request_id] = prompt_ids[-1]
-        self._send(request_id, DraftOpen(request_id, list(prompt_ids)))
+        self._send(request_id, DraftOpen(request_id=request_id, token_ids=list(prompt_ids)))
 
     def close(self, request_id: str) -> None:
-        self._send(request_id, DraftClose(request_id))
+        self._stop_drafting(request_id)
+        self.last_token.pop(request_id, None)
+
+    def _stop_drafting(self, request_id: str) -> None:
+        """Tell the request's drafter it is done with, and ask it for no more drafts."""
+        self._send(request_id, DraftClose(request_id=request_id))
         self.drafter_of.pop(request_id, None)
         self.context_of.pop(request_id, None)
-        self.last_token.pop(request_id, None)
 
     def _send(self, request_id: str, msg: DraftOpen | DraftClose) -> None:
         drafter = self.drafter_of.get(request_id)
@@ -89,15 +93,15 @@ class DrafterClient:
                 groups.setdefault(drafter, []).append(i)
 
         async def ask(drafter: str, indexes: list[int]) -> None:
-            step = DraftStep([_item(requests[i]) for i in indexes])
+            step = DraftStep(items=[_item(requests[i]) for i in indexes])
             try:
                 reply = await self.bus.request(
                     drafter_subject(drafter), step, DraftReply, self.timeout_s
                 )
             except Exception as exc:
                 log.warning("drafter %s failed (%s); its requests go on without", drafter, exc)
-                for i in indexes:
-                    self.drafter_of.pop(requests[i].request_id, None)
+                for i in indexes:  # it may only have been slow: it should forget them too
+                    self._stop_drafting(requests[i].request_id)
                 return
             for i, tree in zip(indexes, reply.trees, strict=True):
                 trees[i] = self._checked(requests[i], tree, trees[i])
@@ -107,6 +111,8 @@ class DrafterClient:
 
     def _checked(self, request: DraftRequest, msg: DraftTreeMsg, fallback: DraftTree) -> DraftTree:
         """A drafter's tree, if it is one the target may verify; else no drafts."""
+        if not msg.tokens:  # the drafter does not know the request (any more)
+            return fallback
         try:
             tree = DraftTree(msg.tokens, msg.parents)
         except ValueError as exc:
@@ -124,13 +130,13 @@ class DrafterClient:
 
 def _item(r: DraftRequest) -> DraftItem:
     if r.features is None:
-        return DraftItem(r.request_id, r.new_tokens, r.max_drafts)
+        return DraftItem(request_id=r.request_id, new_tokens=r.new_tokens, max_drafts=r.max_drafts)
     features = r.features.float().cpu().numpy().astype(np.float32)
     return DraftItem(
-        r.request_id,
-        r.new_tokens,
-        r.max_drafts,
-        features.tobytes(),
-        list(features.shape),
-        r.feature_position,
+        request_id=r.request_id,
+        new_tokens=r.new_tokens,
+        max_drafts=r.max_drafts,
+        features=features.tobytes(),
+        feature_shape=list(features.shape),
+        feature_position=r.feature_position,
     )

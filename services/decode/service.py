@@ -114,9 +114,13 @@ class DecodeService(EngineService):
     async def start(self) -> None:
         if self.client is not None:
             self.client.connect(self.bus, asyncio.get_running_loop())
-        self.outbox = Outbox(self.bus, TokenBatches)
+        self.outbox = Outbox(self.bus, lambda batches: TokenBatches(batches=batches))
         await self.bus.serve(decode_subject(self.instance_id), self.admit)
         await self.bus.serve(ABORT, self.abort)
+
+    async def drain(self) -> None:
+        while self.streams:
+            await asyncio.wait(list(self.streams.values()))
 
     async def stop(self) -> None:
         for task in list(self.streams.values()):
@@ -135,9 +139,9 @@ class DecodeService(EngineService):
         DRAFT_WAIT_SECONDS.inc(waited - self._draft_wait_reported)
         self._draft_wait_reported = waited
         return Heartbeat(
-            self.kind,
-            self.instance_id,
-            self.metrics_url,
+            kind=self.kind,
+            instance_id=self.instance_id,
+            metrics_url=self.metrics_url,
             active_requests=len(self.streams),
             waiting_requests=waiting,
             kv_blocks_free=blocks.num_free,
@@ -147,6 +151,7 @@ class DecodeService(EngineService):
         )
 
     async def admit(self, req: AdmitRequest) -> Admitted:
+        self.aborted.check(req.request_id)
         if req.request_id in self.streams:
             raise ValueError(f"request {req.request_id} is already decoding here")
         self.engine.check_request(req.prompt_ids, req.params)
@@ -164,9 +169,10 @@ class DecodeService(EngineService):
         task = asyncio.create_task(self._forward(req, stream))
         self.streams[req.request_id] = task
         task.add_done_callback(lambda _: self.streams.pop(req.request_id, None))
-        return Admitted(self.instance_id)
+        return Admitted(decode_id=self.instance_id)
 
     async def abort(self, msg: Abort) -> None:
+        self.aborted.add(msg.request_id)
         task = self.streams.get(msg.request_id)
         if task is not None:
             task.cancel()  # leaving the stream aborts the request in the engine
@@ -187,7 +193,12 @@ class DecodeService(EngineService):
             await stream.aclose()
         except Exception as exc:  # the engine failed this request: say so downstream
             failed = TokenBatch(
-                req.request_id, req.output_subject, [], finish_reason="error", error=str(exc)
+                request_id=req.request_id,
+                output_subject=req.output_subject,
+                token_ids=[],
+                finish_reason="error",
+                error=str(exc),
+                attempt=req.attempt,
             )
             self.outbox.put(req.detok_subject, failed)
 
@@ -207,13 +218,14 @@ def _batch(
 ) -> TokenBatch:
     last = outputs[-1]
     return TokenBatch(
-        req.request_id,
-        req.output_subject,
-        [o.token_id for o in outputs],
-        [o.logprob or 0.0 for o in outputs] if want_logprobs else None,
-        [o.top_logprobs or [] for o in outputs] if want_logprobs else None,
-        last.finish_reason,
-        len(req.prompt_ids),
-        cached,
-        dataclasses.asdict(last.spec) if last.spec else None,
+        request_id=req.request_id,
+        output_subject=req.output_subject,
+        token_ids=[o.token_id for o in outputs],
+        logprobs=[o.logprob or 0.0 for o in outputs] if want_logprobs else None,
+        top_logprobs=[o.top_logprobs or [] for o in outputs] if want_logprobs else None,
+        finish_reason=last.finish_reason,
+        num_prompt_tokens=len(req.prompt_ids),
+        num_cached_tokens=cached,
+        spec=dataclasses.asdict(last.spec) if last.spec else None,
+        attempt=req.attempt,
     )

@@ -72,9 +72,9 @@ class DrafterService(Service):
     def heartbeat(self) -> Heartbeat:
         ACTIVE_REQUESTS.labels(self.kind).set(len(self.open_requests))
         return Heartbeat(
-            self.kind,
-            self.instance_id,
-            self.metrics_url,
+            kind=self.kind,
+            instance_id=self.instance_id,
+            metrics_url=self.metrics_url,
             active_requests=len(self.open_requests),
             algorithm=self.spec.speculative_algorithm,
         )
@@ -85,25 +85,35 @@ class DrafterService(Service):
 
     async def handle(self, msg: DraftOpen | DraftClose | DraftStep) -> DraftReply | None:
         if isinstance(msg, DraftOpen):
+            if msg.request_id in self.aborted:  # the abort overtook it
+                return None
             await self._on_draft_thread(self.drafter.open, msg.request_id, msg.token_ids)
             self.open_requests.add(msg.request_id)
         elif isinstance(msg, DraftClose):
             await self._on_draft_thread(self._close, msg.request_id)
         elif isinstance(msg, DraftStep):
-            unknown = [i.request_id for i in msg.items if i.request_id not in self.open_requests]
-            if unknown:
-                raise ValueError(f"draft step for requests never opened here: {unknown}")
-            start = time.perf_counter()
-            requests = [self._request(item) for item in msg.items]
-            trees = await self._on_draft_thread(self.drafter.propose, requests)
-            DRAFT_SECONDS.observe(time.perf_counter() - start)
-            return DraftReply([DraftTreeMsg(t.tokens, t.parents) for t in trees])
+            return await self._draft(msg)
         else:
             raise ValueError(f"a drafter does not handle {type(msg).__name__}")
         return None
 
+    async def _draft(self, msg: DraftStep) -> DraftReply:
+        """A tree per item; an empty one (no drafts) for a request not open here (it was
+        aborted, or this drafter restarted since it was opened)."""
+        start = time.perf_counter()
+        known = [i for i, item in enumerate(msg.items) if item.request_id in self.open_requests]
+        replies = [DraftTreeMsg(tokens=[], parents=[]) for _ in msg.items]
+        if known:
+            requests = [self._request(msg.items[i]) for i in known]
+            trees = await self._on_draft_thread(self.drafter.propose, requests)
+            for i, tree in zip(known, trees, strict=True):
+                replies[i] = DraftTreeMsg(tokens=tree.tokens, parents=tree.parents)
+        DRAFT_SECONDS.observe(time.perf_counter() - start)
+        return DraftReply(trees=replies)
+
     async def abort(self, msg: Abort) -> None:
         """A request ended without its decode worker closing it (the worker died)."""
+        self.aborted.add(msg.request_id)
         await self._on_draft_thread(self._close, msg.request_id)
 
     def _close(self, request_id: str) -> None:

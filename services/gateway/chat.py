@@ -47,7 +47,7 @@ class ChatPlan:
             kwargs.setdefault("reasoning_effort", req.reasoning_effort)
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
         return TokenizeRequest(
-            request_id,
+            request_id=request_id,
             messages=[m.for_template() for m in req.messages],
             chat_template_kwargs=kwargs,
             stop=stop,

@@ -1,9 +1,11 @@
 """The gateway's view of the services: who is alive, where a request goes, its output.
 
-Decode workers and drafters heartbeat; an instance silent for
-`instance_timeout` seconds (or saying goodbye) is dropped, and requests it was
-decoding fail with an error instead of hanging. A request goes to the least
-loaded decode worker and the least loaded drafter running that worker's
+Every service heartbeats; an instance silent for `instance_timeout` seconds (or
+saying goodbye) is dropped. Requests it was decoding move to another decode
+worker, which prefills their prompt and the tokens they have so far and decodes
+on (greedy output is unchanged); with no worker coming up they fail with an
+error instead of hanging. A request goes to the
+least loaded decode worker and the least loaded drafter running that worker's
 algorithm, and stays with them. Its text comes back on this gateway's subject.
 """
 
@@ -13,10 +15,11 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
-from shared.bus import Bus
+from shared.bus import Bus, NoResponders
 from shared.protocol import (
     ABORT,
     HEARTBEAT,
@@ -28,6 +31,8 @@ from shared.protocol import (
     Heartbeat,
     PrefillReply,
     PrefillRequest,
+    ResumeReply,
+    ResumeRequest,
     TextDelta,
     TextDeltas,
     TokenizeReply,
@@ -35,6 +40,7 @@ from shared.protocol import (
     decode_subject,
     detok_subject,
     gateway_subject,
+    resume_subject,
 )
 from shared.sampling.params import SamplingParams
 from shared.telemetry import (
@@ -42,6 +48,7 @@ from shared.telemetry import (
     GENERATION_TOKENS,
     INSTANCES,
     ITL,
+    MIGRATED,
     PROMPT_TOKENS,
     REQUESTS,
     ROUTED,
@@ -69,6 +76,16 @@ class Instance:
     def load(self) -> tuple[int, int]:
         hb = self.heartbeat
         return hb.active_requests + hb.waiting_requests + self.routed, -hb.kv_blocks_free
+
+
+@dataclass
+class Resumable:
+    """What a request needs to move to another decode worker."""
+
+    prompt_ids: list[int]
+    params: SamplingParams  # max_tokens resolved
+    tokenizer_id: str
+    attempt: int = 0  # times it moved
 
 
 @dataclass
@@ -119,12 +136,16 @@ class Generation:
             except TimeoutError:  # a lost message or service: fail rather than hang
                 error = f"no output for {self.cluster.idle_timeout:g} s; the request was dropped"
                 first = min(self.unfinished)
-                delta = TextDelta(first, "", 0, finish_reason="error", error=error)
+                delta = TextDelta(
+                    request_id=first, text="", num_tokens=0, finish_reason="error", error=error
+                )
             if delta.request_id not in self.unfinished:
                 continue  # e.g. a worker's failure after the sequence finished
             self._record(delta)
             if delta.finish_reason is not None:
                 self.unfinished.discard(delta.request_id)
+            if delta.finish_reason == "error":  # whatever failed, the others let it go too
+                self.cluster.abort(delta.request_id)
             yield delta
 
     def close(self) -> None:
@@ -148,7 +169,8 @@ class Generation:
         if delta.finish_reason is not None:
             REQUESTS.labels("error" if delta.finish_reason == "error" else "ok").inc()
             E2E.observe(now - self.arrival)
-            PROMPT_TOKENS.inc(delta.num_prompt_tokens)
+            placement = self.placements.get(rid)  # a moved request's prompt grew
+            PROMPT_TOKENS.inc(len(placement.prompt_ids) if placement else delta.num_prompt_tokens)
             GENERATION_TOKENS.inc(self.tokens[rid])
             self.cluster.stats.add(self.tokens[rid], delta.spec)
 
@@ -173,9 +195,11 @@ class Cluster:
         self.outputs: dict[str, asyncio.Queue[TextDelta]] = {}  # by request id
         # the tokenizer and decode worker each request's output flows through
         self.workers_of: dict[str, tuple[str, str]] = {}
+        self.resumable: dict[str, Resumable] = {}
         self.stats = ServerStats()
         self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._prefill_lost = asyncio.Event()  # set, then replaced, when a prefill instance goes
 
     async def start(self) -> None:
         await self.bus.serve(gateway_subject(self.gateway_id), self._on_deltas)
@@ -219,20 +243,97 @@ class Cluster:
                 INSTANCES.labels(kind).set(len(instances))
 
     def _drop(self, kind: str, instance_id: str) -> None:
-        """Forget an instance; fail the requests whose output it carried (a lost drafter
-        only costs its requests their drafts, a lost prefill worker fails its calls)."""
+        """Forget an instance. The requests a lost decode worker was decoding move to
+        another, prefill calls in flight are sent again (`_prefill`), the requests whose
+        text a lost tokenizer carried fail; a lost drafter only costs its requests their
+        drafts."""
         self.instances.get(kind, {}).pop(instance_id, None)
+        if kind == "prefill":
+            self._prefill_lost.set()
+            self._prefill_lost = asyncio.Event()
         for request_id, workers in list(self.workers_of.items()):
-            if instance_id in workers:
-                error = f"the {kind} instance {instance_id} went away"
-                failed = TextDelta(request_id, "", 0, finish_reason="error", error=error)
-                self.outputs[request_id].put_nowait(failed)
+            if instance_id not in workers:
+                continue
+            if kind == "decode" and request_id in self.resumable:
+                self._in_background(self._migrate(request_id, instance_id))
+            else:
+                self._fail(request_id, f"the {kind} instance {instance_id} went away")
 
-    def _choose(self, kind: str, algorithm: str | None = None) -> Instance | None:
+    def _fail(self, request_id: str, error: str) -> None:
+        queue = self.outputs.get(request_id)
+        if queue is not None:  # not finished and forgotten meanwhile
+            failed = TextDelta(
+                request_id=request_id, text="", num_tokens=0, finish_reason="error", error=error
+            )
+            queue.put_nowait(failed)
+
+    async def _migrate(self, request_id: str, lost: str) -> None:
+        """Resume `request_id` on another decode worker from the tokens it has so far. Its
+        detokenizer says which those are, and from then on ignores the old worker (which
+        may only have seemed lost)."""
+        request = self.resumable[request_id]
+        request.attempt += 1
+        try:
+            await self._worker_up("decode", self.idle_timeout / 2)  # e.g. the lost one, back
+            resume = ResumeRequest(request_id=request_id, attempt=request.attempt)
+            subject = resume_subject(request.tokenizer_id)
+            resumed = await self.bus.request(subject, resume, ResumeReply, 10)
+            left = request.params.max_tokens - len(resumed.token_ids)
+            if left < 1:
+                raise Unavailable("its last tokens were lost")
+            params = dataclasses.replace(request.params, max_tokens=left)
+            prompt_ids = request.prompt_ids + resumed.token_ids
+            await self._place(request_id, prompt_ids, params, request.tokenizer_id, lost)
+        except Exception as exc:
+            MIGRATED.labels("failed").inc()
+            error = f"the decode instance {lost} went away and the request could not move: "
+            self._fail(request_id, error + str(exc))
+            return
+        MIGRATED.labels("moved").inc()
+        log.info("request %s moved from %s at %d tokens", request_id, lost, len(prompt_ids))
+
+    async def _worker_up(self, kind: str, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not any(not i.heartbeat.draining for i in self.live(kind)):
+            if time.monotonic() > deadline:
+                raise Unavailable(f"no {kind} instance came up in {seconds:g} s")
+            await asyncio.sleep(0.2)
+
+    async def _prefill(self, request: PrefillRequest) -> PrefillReply:
+        """Prefill's reply. Prefill is a queue group, so which instance has the call is
+        unknown: when one is lost, every call in flight is sent again (a prefill instance
+        that has it already answers both from one computation); with none up, the call
+        waits for one (a restart) for up to half the idle timeout."""
+        deadline = time.monotonic() + self.idle_timeout / 2
+        while True:
+            call = asyncio.ensure_future(
+                self.bus.request(PREFILL, request, PrefillReply, self.request_timeout)
+            )
+            lost = asyncio.ensure_future(self._prefill_lost.wait())
+            try:
+                await asyncio.wait({call, lost}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                lost.cancel()
+            if call.done() and not isinstance(call.exception(), NoResponders):
+                return call.result()
+            call.cancel()
+            if time.monotonic() > deadline:
+                raise Unavailable("no prefill instance answered")
+            await asyncio.sleep(0.5)
+            await self._worker_up("prefill", max(0.0, deadline - time.monotonic()))
+
+    def _choose(
+        self, kind: str, algorithm: str | None = None, avoid: str | None = None
+    ) -> Instance | None:
+        """The least loaded instance that takes new work (`avoid` only if it is the last)."""
         candidates = [
-            i for i in self.live(kind) if algorithm is None or i.heartbeat.algorithm == algorithm
+            i
+            for i in self.live(kind)
+            if not i.heartbeat.draining and algorithm in (None, i.heartbeat.algorithm)
         ]
-        chosen = min(candidates, key=lambda i: i.load, default=None)
+        chosen = min(
+            candidates, key=lambda i: (i.heartbeat.instance_id == avoid, i.load), default=None
+        )
         if chosen is not None:
             chosen.routed += 1
             ROUTED.labels(kind, chosen.heartbeat.instance_id).inc()
@@ -275,52 +376,73 @@ class Cluster:
         """Tokenize, prefill and admit one sequence; its output then flows to its queue."""
         request_id = tokenize.request_id
         tokens = await self.bus.request(TOKENIZE, tokenize, TokenizeReply, 10)
-        decode = self._choose("decode")
+        prompt_ids = tokens.prompt_ids
+        decode, drafter, prefill = await self._place(
+            request_id, prompt_ids, params, tokens.tokenizer_id
+        )
+        return Placement(
+            request_id,
+            prompt_ids,
+            tokens.prompt_text,
+            decode,
+            drafter,
+            prefill.num_computed_tokens,
+        )
+
+    async def _place(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer_id: str,
+        avoid: str | None = None,
+    ) -> tuple[str, str | None, PrefillReply]:
+        """Prefill the prompt and admit it to the least loaded decode worker but `avoid`
+        (and a drafter for it): (decode id, drafter id, prefill's reply)."""
+        decode = self._choose("decode", avoid=avoid)
         if decode is None:
             raise Unavailable("no decode worker is available")
         if params.max_tokens == 0:
-            room = decode.heartbeat.max_model_len - len(tokens.prompt_ids)
+            room = decode.heartbeat.max_model_len - len(prompt_ids)
             params = dataclasses.replace(params, max_tokens=max(room, 1))
         algorithm = decode.heartbeat.algorithm
         drafter = self._choose("drafter", algorithm) if algorithm else None
-        prefill = await self.bus.request(
-            PREFILL,
-            PrefillRequest(request_id, tokens.prompt_ids, params),
-            PrefillReply,
-            self.request_timeout,
+        prefill = await self._prefill(
+            PrefillRequest(request_id=request_id, prompt_ids=prompt_ids, params=params)
         )
         decode_id = decode.heartbeat.instance_id
         drafter_id = drafter.heartbeat.instance_id if drafter else None
-        self.workers_of[request_id] = (tokens.tokenizer_id, decode_id)
+        self.workers_of[request_id] = (tokenizer_id, decode_id)
+        resumable = self.resumable.setdefault(
+            request_id, Resumable(prompt_ids, params, tokenizer_id)
+        )
         admit = AdmitRequest(
-            request_id,
-            tokens.prompt_ids,
-            params,
-            prefill,
-            drafter_id,
-            detok_subject(tokens.tokenizer_id),
-            gateway_subject(self.gateway_id),
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            params=params,
+            prefill=prefill,
+            drafter_id=drafter_id,
+            detok_subject=detok_subject(tokenizer_id),
+            output_subject=gateway_subject(self.gateway_id),
+            attempt=resumable.attempt,
         )
         await self.bus.request(decode_subject(decode_id), admit, Admitted, 10)
-        return Placement(
-            request_id,
-            tokens.prompt_ids,
-            tokens.prompt_text,
-            decode_id,
-            drafter_id,
-            prefill.num_computed_tokens,
-        )
+        return decode_id, drafter_id, prefill
 
     def abort(self, request_id: str) -> None:
         """Drop the request in every service. Not awaited: it must also work while the
         caller is being cancelled (a client that went away)."""
-        task = asyncio.get_running_loop().create_task(self.bus.publish(ABORT, Abort(request_id)))
-        self._background.add(task)
+        self._in_background(self.bus.publish(ABORT, Abort(request_id=request_id)))
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._background.discard)
 
     def forget(self, request_id: str) -> None:
         self.outputs.pop(request_id, None)
         self.workers_of.pop(request_id, None)
+        self.resumable.pop(request_id, None)
 
 
 def _first_error(group: BaseExceptionGroup) -> BaseException:

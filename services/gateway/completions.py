@@ -10,8 +10,8 @@ from shared.protocol import TextDelta, TokenizeRequest
 
 def tokenize_request(prompt: str | list[int], request_id: str, stop: list[str]) -> TokenizeRequest:
     if isinstance(prompt, str):
-        return TokenizeRequest(request_id, prompt=prompt, stop=stop)
-    return TokenizeRequest(request_id, prompt_ids=prompt, stop=stop)
+        return TokenizeRequest(request_id=request_id, prompt=prompt, stop=stop)
+    return TokenizeRequest(request_id=request_id, prompt_ids=prompt, stop=stop)
 
 
 class CompletionChoice:

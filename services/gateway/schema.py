@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.sampling.params import (
+    INT32_MAX,
     MAX_LOGPROBS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -17,7 +18,6 @@ from shared.sampling.params import (
 
 MAX_CHOICES = 64  # n; each choice is a sequence in flight
 INT64 = Field(ge=-(2**63), le=2**63 - 1)
-INT32_MAX = 2**31 - 1  # token ids and top_k: the engine checks them against the vocabulary
 
 Probability = Annotated[float, Field(ge=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]

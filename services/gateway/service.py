@@ -12,7 +12,9 @@ import uvicorn
 from services.gateway.app import build_app
 from services.gateway.cluster import Cluster
 from services.gateway.config import GatewayConfig
+from shared.protocol import Heartbeat
 from shared.service import Service, ServiceConfig
+from shared.telemetry import ACTIVE_REQUESTS
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,12 @@ class GatewayService(Service):
                 raise ConnectionError(f"cannot serve HTTP on {g.host}:{g.port}")
             await asyncio.sleep(0.05)
         log.info("serving %s at http://%s:%d/v1", g.model_name, g.host, g.port)
+
+    def heartbeat(self) -> Heartbeat:
+        beat = super().heartbeat()
+        beat.active_requests = len(self.cluster.outputs)  # sequences in flight here
+        ACTIVE_REQUESTS.labels(self.kind).set(beat.active_requests)
+        return beat
 
     async def stop(self) -> None:
         self.server.should_exit = True

@@ -15,13 +15,22 @@ import logging
 
 import torch
 
+from services.prefill.config import PrefillConfig
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import EngineConfig, LLMEngine
 from shared.engine.sequence import RemotePrefix, Sequence
 from shared.engine.speculation import SpecStats
 from shared.kvcache.exchange import KVExchange, feature_tag, model_fingerprint
 from shared.model.fetch import resolve_model
-from shared.protocol import PREFILL, Heartbeat, PrefillReply, PrefillRequest, RemoteError
+from shared.protocol import (
+    ABORT,
+    PREFILL,
+    Abort,
+    Heartbeat,
+    PrefillReply,
+    PrefillRequest,
+    RemoteError,
+)
 from shared.service import EngineService, ServiceConfig
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.factory import drafter_target_features
@@ -94,9 +103,12 @@ class PrefillService(EngineService):
         ecfg: EngineConfig,
         spec: SpeculativeConfig,
         tcfg: TransportConfig,
+        pcfg: PrefillConfig,
     ) -> None:
         """`spec`: the deployment's speculation, whose drafters may read target features."""
         super().__init__(cfg)
+        self.max_queued = pcfg.max_queued_requests
+        self.running: dict[str, asyncio.Task[PrefillReply]] = {}  # request id -> handler
         ecfg.model = str(resolve_model(ecfg.model))
         features: tuple[tuple[int, ...], bool] = ((), False)
         if spec.enabled:
@@ -107,11 +119,40 @@ class PrefillService(EngineService):
 
     async def start(self) -> None:
         await self.bus.serve(PREFILL, self.prefill, queue="prefill", concurrent=True)
+        await self.bus.serve(ABORT, self.abort)
+
+    async def drain(self) -> None:
+        await self.bus.stop_serving(PREFILL)  # the queue group's other instances take over
+        while self.running:
+            await asyncio.wait(list(self.running.values()))
 
     async def stop(self) -> None:
         self.transport.close()
 
+    async def abort(self, msg: Abort) -> None:
+        """The client left or gave up: stop computing its prompt (no reply goes out)."""
+        self.aborted.add(msg.request_id)
+        task = self.running.get(msg.request_id)
+        if task is not None:
+            task.cancel()  # leaving the stream aborts the request in the engine
+
     async def prefill(self, req: PrefillRequest) -> PrefillReply:
+        self.aborted.check(req.request_id)
+        if (running := self.running.get(req.request_id)) is not None:
+            return await asyncio.shield(running)  # a gateway's retry: one computation
+        if len(self.running) >= self.max_queued:
+            raise RemoteError(
+                f"prefill has {len(self.running)} prompts in flight; retry later", 503
+            )
+        task = asyncio.current_task()
+        assert task is not None
+        self.running[req.request_id] = task
+        try:
+            return await self._prefill(req)
+        finally:
+            self.running.pop(req.request_id, None)
+
+    async def _prefill(self, req: PrefillRequest) -> PrefillReply:
         engine = self.engine
         engine.check_request(req.prompt_ids, req.params)  # with the real max_tokens
         exchange = engine.kv_exchange
@@ -136,7 +177,13 @@ class PrefillService(EngineService):
         computed = len(req.prompt_ids) - first.num_reused_tokens
         PREFILL_TOKENS.labels("computed").inc(computed)
         PREFILL_TOKENS.labels("cached").inc(first.num_reused_tokens)
-        return PrefillReply(first.token_id, first.logprob, first.top_logprobs, keys, computed)
+        return PrefillReply(
+            first_token=first.token_id,
+            logprob=first.logprob,
+            top_logprobs=first.top_logprobs,
+            kv_keys=keys,
+            num_computed_tokens=computed,
+        )
 
     def heartbeat(self) -> Heartbeat:
         blocks = self.engine.block_manager
@@ -145,9 +192,9 @@ class PrefillService(EngineService):
         KV_BLOCKS_FREE.labels(self.kind).set(blocks.num_free)
         KV_BLOCKS_USED.labels(self.kind).set(len(blocks.blocks) - blocks.num_free)
         return Heartbeat(
-            self.kind,
-            self.instance_id,
-            self.metrics_url,
+            kind=self.kind,
+            instance_id=self.instance_id,
+            metrics_url=self.metrics_url,
             active_requests=len(self.engine.sequences),
             waiting_requests=waiting,
             kv_blocks_free=blocks.num_free,

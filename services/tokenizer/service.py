@@ -8,7 +8,8 @@ A matched stop string ends the request everywhere with an Abort broadcast.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 from typing import Any
 
 from shared.bus import Outbox
@@ -19,6 +20,8 @@ from shared.protocol import (
     ABORT,
     TOKENIZE,
     Abort,
+    ResumeReply,
+    ResumeRequest,
     TextDelta,
     TextDeltas,
     TokenBatch,
@@ -26,6 +29,7 @@ from shared.protocol import (
     TokenizeReply,
     TokenizeRequest,
     detok_subject,
+    resume_subject,
 )
 from shared.service import Service, ServiceConfig
 from shared.telemetry import ACTIVE_REQUESTS
@@ -37,22 +41,38 @@ class TokenizerConfig:
     model: str | None = model_option()
 
 
+@dataclass
+class Output:
+    """A request's output as its detokenizer has it."""
+
+    stream: TextStream
+    token_ids: list[int] = field(default_factory=list)
+    attempt: int = 0  # its decode placement; tokens of an older one (it moved) are stale
+
+
 class TokenizerService(Service):
     kind = "tokenizer"
 
     def __init__(self, cfg: ServiceConfig, tcfg: TokenizerConfig) -> None:
         super().__init__(cfg)
         self.tokenizer = Tokenizer(resolve_model(tcfg.model))
-        self.streams: dict[str, TextStream] = {}
+        self.streams: dict[str, Output] = {}
         self.outbox: Outbox  # once the bus is connected
 
     async def start(self) -> None:
-        self.outbox = Outbox(self.bus, TextDeltas)
+        self.outbox = Outbox(self.bus, lambda deltas: TextDeltas(deltas=deltas))
         await self.bus.serve(TOKENIZE, self.tokenize, queue="tokenizer")
         await self.bus.serve(detok_subject(self.instance_id), self.detokenize)
+        await self.bus.serve(resume_subject(self.instance_id), self.resume)
         await self.bus.serve(ABORT, self.abort)
 
+    async def drain(self) -> None:
+        await self.bus.stop_serving(TOKENIZE)  # the queue group's other instances take over
+        while self.streams:  # the output of requests in flight still comes here
+            await asyncio.sleep(0.1)
+
     async def tokenize(self, req: TokenizeRequest) -> TokenizeReply:
+        self.aborted.check(req.request_id)
         if req.messages is not None:
             try:
                 text = self.chat_prompt(req)
@@ -69,9 +89,9 @@ class TokenizerService(Service):
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
         else:
             raise ValueError("nothing to tokenize: give messages, a prompt or prompt ids")
-        self.streams[req.request_id] = TextStream(self.tokenizer, ids, req.stop)
+        self.streams[req.request_id] = Output(TextStream(self.tokenizer, ids, req.stop))
         ACTIVE_REQUESTS.labels(self.kind).set(len(self.streams))
-        return TokenizeReply(ids, self.instance_id, text)
+        return TokenizeReply(prompt_ids=ids, tokenizer_id=self.instance_id, prompt_text=text)
 
     def chat_prompt(self, req: TokenizeRequest) -> str:
         """The chat as prompt text. A template that does not take tools or tool calls
@@ -97,13 +117,22 @@ class TokenizerService(Service):
         for batch in msg.batches:
             await self._detokenize(batch)
 
+    async def resume(self, req: ResumeRequest) -> ResumeReply:
+        output = self.streams.get(req.request_id)
+        if output is None:
+            raise ValueError(f"request {req.request_id} is not detokenized here")
+        output.attempt = req.attempt
+        return ResumeReply(token_ids=output.token_ids)
+
     async def _detokenize(self, batch: TokenBatch) -> None:
-        stream = self.streams.get(batch.request_id)
-        if stream is None:  # aborted meanwhile
+        output = self.streams.get(batch.request_id)
+        if output is None or batch.attempt < output.attempt:  # aborted, or moved meanwhile
             return
+        stream = output.stream
         text, logprobs, used = "", [], 0
         for i, token in enumerate(batch.token_ids):
             text += stream.push([token])
+            output.token_ids.append(token)
             used += 1
             if batch.logprobs is not None:
                 top = batch.top_logprobs[i] if batch.top_logprobs else []
@@ -116,22 +145,24 @@ class TokenizerService(Service):
             del self.streams[batch.request_id]
             ACTIVE_REQUESTS.labels(self.kind).set(len(self.streams))
             if batch.finish_reason is None:  # a stop string: the decode worker is still going
-                await self.bus.publish(ABORT, Abort(batch.request_id))
+                await self.bus.publish(ABORT, Abort(request_id=batch.request_id))
         delta = TextDelta(
-            batch.request_id,
-            text,
-            used,
-            logprobs if batch.logprobs is not None else None,
-            finish,
-            batch.num_prompt_tokens,
-            batch.num_cached_tokens,
-            batch.spec,
-            batch.error,
+            request_id=batch.request_id,
+            text=text,
+            num_tokens=used,
+            logprobs=logprobs if batch.logprobs is not None else None,
+            finish_reason=finish,
+            num_prompt_tokens=batch.num_prompt_tokens,
+            num_cached_tokens=batch.num_cached_tokens,
+            spec=batch.spec,
+            error=batch.error,
         )
         self.outbox.put(batch.output_subject, delta)
 
     async def abort(self, msg: Abort) -> None:
+        self.aborted.add(msg.request_id)
         self.streams.pop(msg.request_id, None)
+        ACTIVE_REQUESTS.labels(self.kind).set(len(self.streams))
 
     def _logprob_entry(
         self, token: int, logprob: float, top: list[tuple[int, float]]

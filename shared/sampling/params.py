@@ -9,6 +9,7 @@ MAX_LOGPROBS = 20  # OpenAI caps top_logprobs at 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # per stop string (each is searched for after every token)
 MAX_STOP_TOKEN_IDS = 1024
+INT32_MAX = 2**31 - 1  # token ids and top_k; the engine checks them against the vocabulary
 
 
 @dataclass
