@@ -21,7 +21,8 @@ PROTOCOL_VERSION = 2
 TOKENIZE = "specmesh.tokenizer.tokenize"  # queue group "tokenizer"
 PREFILL = "specmesh.prefill"  # queue group "prefill"
 ABORT = "specmesh.abort"  # broadcast: every service drops the request
-HEARTBEAT = "specmesh.heartbeat.{kind}"  # kind: decode | drafter
+HEARTBEAT = "specmesh.heartbeat.{kind}"  # kind: a kind of service
+GATEWAY_HEARTBEAT = HEARTBEAT.format(kind="gateway")
 
 
 def detok_subject(tokenizer_id: str) -> str:
@@ -59,10 +60,13 @@ _ALLOWED: dict[str, tuple[list[str], list[str]]] = {
     ),
     "tokenizer": (
         [gateway_subject("*"), ABORT],
-        [TOKENIZE, detok_subject("*"), resume_subject("*"), ABORT],
+        [TOKENIZE, detok_subject("*"), resume_subject("*"), ABORT, GATEWAY_HEARTBEAT],
     ),
     "prefill": ([], [PREFILL, ABORT]),
-    "decode": ([detok_subject("*"), drafter_subject("*")], [decode_subject("*"), ABORT]),
+    "decode": (
+        [detok_subject("*"), drafter_subject("*")],
+        [decode_subject("*"), ABORT, GATEWAY_HEARTBEAT],
+    ),
     "drafter": ([], [drafter_subject("*"), ABORT]),
     "specmesh-up": ([], [HEARTBEAT.format(kind="*")]),  # the launcher sees services start
 }
@@ -117,6 +121,7 @@ class TokenizeRequest(Message, kw_only=True):
     tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, for the template
     tool_parser: str | None = None  # the call format, for templates that do not take tools
     assistant_prefix: str = ""  # appended after the generation prompt (forces a tool call)
+    output_subject: str = ""  # the gateway's: its requests end if it goes away
 
 
 class TokenizeReply(Message, kw_only=True):

@@ -38,7 +38,7 @@ from prometheus_client.exposition import MetricsHandler
 
 from shared.bus import Bus, NatsAuth
 from shared.config import add_dataclass_args, dataclass_from_args, option
-from shared.protocol import HEARTBEAT, Heartbeat
+from shared.protocol import GATEWAY_HEARTBEAT, HEARTBEAT, Heartbeat
 from shared.telemetry import setup_tracing, shutdown_tracing
 
 if TYPE_CHECKING:  # the gateway and tokenizer never load torch
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 SHUTDOWN_TIMEOUT_S = 30.0  # goodbye, handlers finishing, NATS drain
+GATEWAY_TIMEOUT_S = 10.0  # a gateway silent this long has lost its clients' requests
 
 
 _WILDCARDS = ("", "0.0.0.0", "::")
@@ -122,12 +123,14 @@ class Service:
     """Base of the service processes. Subclasses subscribe in `start` and report load."""
 
     kind = "service"
+    holds_requests = False  # then it drops the requests of a gateway that went away
 
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
         self.instance_id = cfg.instance_id or f"{self.kind}-{socket.gethostname()}-{os.getpid()}"
         self.incarnation = uuid.uuid4().hex[:12]
         self.aborted = RecentAborts()
+        self.gateways: dict[str, tuple[str, float]] = {}  # id -> (incarnation, last seen)
         self.metrics_url: str | None = None
         self._serving = False  # subscribed and heartbeating
         self.bus: Bus
@@ -137,6 +140,23 @@ class Service:
 
     async def start(self) -> None:
         """Subscribe handlers (self.bus is connected)."""
+
+    async def gateway_gone(self, gateway_id: str) -> None:
+        """Drop the requests `gateway_id` started: nobody reads their output any more."""
+
+    async def _on_gateway(self, beat: Heartbeat) -> None:
+        known = self.gateways.pop(beat.instance_id, None)
+        if beat.leaving or (known is not None and known[0] != beat.incarnation):
+            await self.gateway_gone(beat.instance_id)  # stopped, or restarted empty-handed
+        if not beat.leaving:
+            self.gateways[beat.instance_id] = (beat.incarnation, time.monotonic())
+
+    async def _forget_silent_gateways(self) -> None:
+        cutoff = time.monotonic() - GATEWAY_TIMEOUT_S
+        for gateway_id, (_, seen) in list(self.gateways.items()):
+            if seen < cutoff:
+                del self.gateways[gateway_id]
+                await self.gateway_gone(gateway_id)
 
     async def drain(self) -> None:
         """Finish the work in flight (SIGTERM; heartbeats say `draining` meanwhile, so no
@@ -222,6 +242,8 @@ class Service:
             self._serve_metrics(self.cfg.metrics_host, self.cfg.metrics_port)
         self.bus = await Bus.connect(self.cfg.nats_url, self.instance_id, self.cfg)
         await self.start()
+        if self.holds_requests:
+            await self.bus.serve(GATEWAY_HEARTBEAT, self._on_gateway)
         self._serving = True
         log.info("%s ready", self.instance_id)
         self._io_stop = asyncio.Event()
@@ -229,6 +251,7 @@ class Service:
         # Asleep between heartbeats: idle wake-ups take the cores from decode's forwards.
         while not self._stopping.is_set():
             await self._publish_heartbeat(self._heartbeat())
+            await self._forget_silent_gateways()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._io_stop.wait(), self.cfg.heartbeat_interval)
         draining = asyncio.create_task(self.drain())

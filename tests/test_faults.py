@@ -255,6 +255,35 @@ def test_a_killed_prefill_workers_calls_are_sent_again_and_complete_unchanged(
     assert_nothing_held(d)
 
 
+def _long_stream(url: str, started: threading.Event) -> None:
+    """A stream of 1000 tokens (about a minute here) that is cut off."""
+    body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "stream": True}
+    body |= {"temperature": 0, "max_tokens": 1000, "ignore_eos": True}
+    with contextlib.suppress(httpx.HTTPError):
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+            for _ in r.iter_lines():
+                started.set()
+    started.set()
+
+
+def test_a_killed_gateways_requests_end_everywhere(deployment: Deployment) -> None:
+    """SIGKILL of the gateway under 4 long streams: the gateway that comes back is a new
+    incarnation, so decode and the tokenizer drop the old one's requests at once instead
+    of computing them to their end (a minute); then it serves again."""
+    d = deployment
+    incarnation = heartbeats(d.nats_url)["gateway-0"].incarnation
+    started = [threading.Event() for _ in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        for event in started:
+            pool.submit(_long_stream, d.url, event)
+        for event in started:
+            assert event.wait(60)
+        os.kill(d.pid("gateway-0"), signal.SIGKILL)
+        d.wait_restarted("gateway-0", incarnation)
+        assert_nothing_held(d, seconds=10)
+    assert chat_text(d.url, PROMPTS[0], **GREEDY)
+
+
 def test_a_decode_worker_that_only_seemed_lost_cannot_corrupt_moved_streams(
     deployment: Deployment,
 ) -> None:

@@ -37,6 +37,7 @@ from shared.protocol import (
     TokenBatch,
     TokenBatches,
     decode_subject,
+    gateway_subject,
 )
 from shared.service import EngineService, ServiceConfig
 from shared.speculative.config import SpeculativeConfig
@@ -82,6 +83,7 @@ class DecodeEngine(LLMEngine):
 
 class DecodeService(EngineService):
     kind = "decode"
+    holds_requests = True
 
     def __init__(
         self,
@@ -96,6 +98,7 @@ class DecodeService(EngineService):
         self.spec = spec.resolved(ecfg.model) if spec.enabled else None
         self.transport = tcfg.open()
         self.streams: dict[str, asyncio.Task[None]] = {}
+        self.gateway_subject_of: dict[str, str] = {}  # request id -> where its text goes
         self.outbox: Outbox  # once the bus is connected
         self.client: DrafterClient | None = None
         if self.spec is not None:
@@ -168,8 +171,18 @@ class DecodeService(EngineService):
         )
         task = asyncio.create_task(self._forward(req, stream))
         self.streams[req.request_id] = task
-        task.add_done_callback(lambda _: self.streams.pop(req.request_id, None))
+        self.gateway_subject_of[req.request_id] = req.output_subject
+        task.add_done_callback(lambda _: self._ended(req.request_id))
         return Admitted(decode_id=self.instance_id)
+
+    def _ended(self, request_id: str) -> None:
+        self.streams.pop(request_id, None)
+        self.gateway_subject_of.pop(request_id, None)
+
+    async def gateway_gone(self, gateway_id: str) -> None:
+        for request_id, subject in list(self.gateway_subject_of.items()):
+            if subject == gateway_subject(gateway_id):
+                self.streams[request_id].cancel()
 
     async def abort(self, msg: Abort) -> None:
         self.aborted.add(msg.request_id)

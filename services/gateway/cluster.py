@@ -375,6 +375,7 @@ class Cluster:
     async def _start(self, tokenize: TokenizeRequest, params: SamplingParams) -> Placement:
         """Tokenize, prefill and admit one sequence; its output then flows to its queue."""
         request_id = tokenize.request_id
+        tokenize.output_subject = gateway_subject(self.gateway_id)
         tokens = await self.bus.request(TOKENIZE, tokenize, TokenizeReply, 10)
         prompt_ids = tokens.prompt_ids
         decode, drafter, prefill = await self._place(

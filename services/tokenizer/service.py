@@ -29,6 +29,7 @@ from shared.protocol import (
     TokenizeReply,
     TokenizeRequest,
     detok_subject,
+    gateway_subject,
     resume_subject,
 )
 from shared.service import Service, ServiceConfig
@@ -46,12 +47,14 @@ class Output:
     """A request's output as its detokenizer has it."""
 
     stream: TextStream
+    gateway_subject: str  # where its text goes
     token_ids: list[int] = field(default_factory=list)
     attempt: int = 0  # its decode placement; tokens of an older one (it moved) are stale
 
 
 class TokenizerService(Service):
     kind = "tokenizer"
+    holds_requests = True
 
     def __init__(self, cfg: ServiceConfig, tcfg: TokenizerConfig) -> None:
         super().__init__(cfg)
@@ -89,7 +92,8 @@ class TokenizerService(Service):
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
         else:
             raise ValueError("nothing to tokenize: give messages, a prompt or prompt ids")
-        self.streams[req.request_id] = Output(TextStream(self.tokenizer, ids, req.stop))
+        stream = TextStream(self.tokenizer, ids, req.stop)
+        self.streams[req.request_id] = Output(stream, req.output_subject)
         ACTIVE_REQUESTS.labels(self.kind).set(len(self.streams))
         return TokenizeReply(prompt_ids=ids, tokenizer_id=self.instance_id, prompt_text=text)
 
@@ -116,6 +120,12 @@ class TokenizerService(Service):
     async def detokenize(self, msg: TokenBatches) -> None:
         for batch in msg.batches:
             await self._detokenize(batch)
+
+    async def gateway_gone(self, gateway_id: str) -> None:
+        for request_id, output in list(self.streams.items()):
+            if output.gateway_subject == gateway_subject(gateway_id):
+                del self.streams[request_id]
+        ACTIVE_REQUESTS.labels(self.kind).set(len(self.streams))
 
     async def resume(self, req: ResumeRequest) -> ResumeReply:
         output = self.streams.get(req.request_id)
