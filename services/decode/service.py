@@ -180,8 +180,9 @@ class DecodeService(EngineService):
         self.gateway_subject_of.pop(request_id, None)
 
     async def gateway_gone(self, gateway_id: str) -> None:
-        for request_id, subject in list(self.gateway_subject_of.items()):
-            if subject == gateway_subject(gateway_id):
+        subject = gateway_subject(gateway_id)
+        for request_id, its_subject in list(self.gateway_subject_of.items()):
+            if its_subject == subject:
                 self.streams[request_id].cancel()
 
     async def abort(self, msg: Abort) -> None:

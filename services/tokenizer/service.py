@@ -122,8 +122,9 @@ class TokenizerService(Service):
             await self._detokenize(batch)
 
     async def gateway_gone(self, gateway_id: str) -> None:
+        subject = gateway_subject(gateway_id)
         for request_id, output in list(self.streams.items()):
-            if output.gateway_subject == gateway_subject(gateway_id):
+            if output.gateway_subject == subject:
                 del self.streams[request_id]
         ACTIVE_REQUESTS.labels(self.kind).set(len(self.streams))
 
