@@ -207,7 +207,7 @@ def test_a_killed_drafter_costs_no_request_anything(deployment: Deployment) -> N
         reference = list(pool.map(lambda p: chat_text(d.url, p, **GREEDY), PROMPTS))
     incarnation = heartbeats(d.nats_url)["drafter-0"].incarnation
     results, seconds = kill_mid_stream(d, "drafter-0", PROMPTS * 2)
-    assert seconds < 30
+    assert seconds < 60  # a hang, not a slow machine, is what fails here
     assert results == [(text, {}) for text in reference * 2]  # decode went on without drafts
     d.wait_restarted("drafter-0", incarnation)
     assert d.restarts("drafter-0") == 1
