@@ -7,7 +7,8 @@ Prints, each a median over `--runs` interleaved rounds:
 - the memory-read floor: the bytes of weights a decode step must read, over the
   read bandwidth a plain sum over a 512 MB buffer reaches in this process;
 - our forward step at batch 1, 8 and 32 (one new token per sequence over
-  `--context` cached tokens), and its ratio to the floor;
+  `--context` cached tokens), and its ratio to the floor; beside it the same step
+  through the model's torch path (what runs where the fused CPU kernel is unavailable);
 - the verify-cost curve: one sequence forwarding k = 1..16 tokens (a draft chain),
   as a multiple of the batch-1 step;
 - end-to-end greedy generation, our engine vs transformers `generate`, at batch
@@ -21,10 +22,11 @@ Ratios are taken within a round, then their median is printed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -78,6 +80,15 @@ class StepProbe:
         self.runner, self.context = engine.runner, context
         self.block_size = engine.kv_cache.block_size
         self.blocks_per_seq = (context + 16) // self.block_size + 1
+
+    @contextlib.contextmanager
+    def torch_path(self) -> Iterator[None]:
+        """Steps inside skip the fused CPU kernel."""
+        fused, self.runner.fused = self.runner.fused, None
+        try:
+            yield
+        finally:
+            self.runner.fused = fused
 
     def forward(self, batch: int, new_tokens: int) -> None:
         spans, ids, positions, rows = [], [], [], []
@@ -156,6 +167,8 @@ def main() -> None:
         r["bandwidth"] = weight_bytes / r["floor"]
         for batch in BATCHES:
             r[f"step{batch}"] = seconds(lambda b=batch: probe.forward(b, 1))
+            with probe.torch_path():
+                r[f"torch{batch}"] = seconds(lambda b=batch: probe.forward(b, 1))
         for k in VERIFY_TOKENS:
             r[f"verify{k}"] = seconds(lambda k=k: probe.forward(1, k)) / r["step1"]
         for batch in BATCHES:
@@ -174,9 +187,10 @@ def main() -> None:
     print(
         f"\nread bandwidth {m('bandwidth') / 1e9:.1f} GB/s -> floor {m('floor') * 1e3:.1f} ms/step"
     )
-    print(f"{'batch':>5} {'step ms':>8} {'x floor':>8}")
+    print(f"{'batch':>5} {'step ms':>8} {'x floor':>8} {'torch path ms':>14}")
     for batch in BATCHES:
-        print(f"{batch:>5} {m(f'step{batch}') * 1e3:>8.1f} {m(f'floor{batch}'):>7.2f}x")
+        step, torch_step = m(f"step{batch}") * 1e3, m(f"torch{batch}") * 1e3
+        print(f"{batch:>5} {step:>8.1f} {m(f'floor{batch}'):>7.2f}x {torch_step:>14.1f}")
     print(
         "\nverify k tokens, x batch-1 step: "
         + "  ".join(f"{k}:{m(f'verify{k}'):.2f}" for k in VERIFY_TOKENS)

@@ -186,19 +186,25 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert err < MAX_REL_ERR, f"{what}: max relative error {err:.2e}"
 
 
-def new_runner(path: Path) -> ModelRunner:
+def new_runner(path: Path, fused: bool = True) -> ModelRunner:
+    """A runner whose few-row steps take the fused C++ decoder, or always the torch path."""
     model = load_model(path, CPU, torch.float32)
-    return ModelRunner(model, KVCache(model.config, NUM_BLOCKS, BLOCK_SIZE, CPU, torch.float32))
+    runner = ModelRunner(model, KVCache(model.config, NUM_BLOCKS, BLOCK_SIZE, CPU, torch.float32))
+    assert runner.fused is not None  # this machine builds the CPU kernel
+    if not fused:
+        runner.fused = None
+    return runner
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch"])
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_matches_transformers_prefill_and_decode(name: str, tmp_path: Path) -> None:
+def test_matches_transformers_prefill_and_decode(name: str, fused: bool, tmp_path: Path) -> None:
     variant = VARIANTS[name]
     hf, path = build_hf(variant, tmp_path / name)
     if variant.shard:
         index = json.loads((path / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 1
-    runner = new_runner(path)
+    runner = new_runner(path, fused)
     cfg = runner.model.config
 
     # The variant's distinguishing feature reached our config.
@@ -256,10 +262,11 @@ def test_matches_transformers_prefill_and_decode(name: str, tmp_path: Path) -> N
     assert_close(logits, hf_logits(hf, ids, off)[start:], f"{name} extend")
 
 
-def test_batch_of_sequences_at_different_stages(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch"])
+def test_batch_of_sequences_at_different_stages(fused: bool, tmp_path: Path) -> None:
     """Two decodes and a prefill in one forward, each in its own blocks, match HF one by one."""
     hf, path = build_hf(VARIANTS["qwen2-bias"], tmp_path / "m", seed=3)
-    runner = new_runner(path)
+    runner = new_runner(path, fused)
     gen = torch.Generator().manual_seed(7)
     a, b, c = (torch.randint(3, VOCAB, (k,), generator=gen).tolist() for k in (9, 6, 7))
     tables = [[4, 12, 1], [7, 2], [15, 0]]
@@ -280,6 +287,33 @@ def test_batch_of_sequences_at_different_stages(tmp_path: Path) -> None:
     logits, _ = runner.forward(spans, input_ids, positions, rows)
     ref = torch.cat([hf_logits(hf, a, 0)[-1:], hf_logits(hf, c, 0), hf_logits(hf, b, 0)[-1:]])
     assert_close(logits, ref, "mixed batch")
+
+
+def test_fused_decoder_matches_torch_path_on_trees_and_aux_layers(tmp_path: Path) -> None:
+    """One step mixing a decode, a draft tree (custom mask) and a causal extend: the fused
+    kernel's logits, aux layers (in the order asked) and cache writes equal the torch path's."""
+    _, path = build_hf(VARIANTS["llama-sharded"], tmp_path / "m", seed=4)  # 3 layers
+    runner = new_runner(path)
+    gen = torch.Generator().manual_seed(3)
+    tables = [[4, 12, 1], [7, 2, 9, 5], [15, 0]]
+    for table in tables[:2]:  # 9 cached tokens each, through the torch path
+        prompt = torch.randint(3, VOCAB, (9,), generator=gen).tolist()
+        runner.forward([SequenceSpan(table, 0, 9)], prompt, list(range(9)), [8])
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    spans = [SequenceSpan(tables[0], 9, 1), SequenceSpan(tables[1], 9, 4, tree)]
+    spans.append(SequenceSpan(tables[2], 0, 3))
+    ids = torch.randint(3, VOCAB, (8,), generator=gen).tolist()
+    positions = [9, 9, 10, 10, 11, 0, 1, 2]
+    cache = runner.kv_cache.storage.clone()
+    fused = runner.forward(spans, ids, positions, list(range(8)), aux_layers=(2, 0))
+    fused_cache = runner.kv_cache.storage.clone()
+    runner.kv_cache.storage.copy_(cache)
+    runner.fused = None
+    plain = runner.forward(spans, ids, positions, list(range(8)), aux_layers=(2, 0))
+    assert_close(fused[0], plain[0], "logits")
+    for i, (ours, ref) in enumerate(zip(fused[1], plain[1], strict=True)):
+        assert_close(ours, ref, f"aux {i}")
+    assert_close(fused_cache, runner.kv_cache.storage, "cache writes")
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ import torch
 from shared.engine.sequence import Sequence
 from shared.kvcache.kv_cache import KVCache
 from shared.model.attention import SequenceSpan
+from shared.model.fused import FUSED_MAX_ROWS, FusedDecoder
 from shared.model.llama import LlamaForCausalLM, pack_linears
 from shared.sampling.sampler import SampleOutput, Sampler, position_generator
 from shared.speculative.tree import DraftTree
@@ -28,6 +29,9 @@ class ModelRunner:
         pack_linears(model)  # a runner only infers
         self.model = model
         self.kv_cache = kv_cache
+        # Few rows go through the fused C++ decoder where it applies; the rest (prefill)
+        # through the model's torch path.
+        self.fused = FusedDecoder.build(model, kv_cache.layers)
         self.device = model.embed_tokens.weight.device
         self.sampler = Sampler()
         # Target features an EAGLE drafter needs: the outputs of these layers, and whether
@@ -47,12 +51,14 @@ class ModelRunner:
         """Forward new tokens of several sequences over their cached prefixes.
 
         Returns logits at `logit_rows` and the aux-layer hidden states of all rows."""
-        meta = self.model.layers[0].self_attn.backend.prepare(
-            spans, self.kv_cache.block_size, self.device
-        )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden, aux = self.model(ids, pos, self.kv_cache.layers, meta, aux_layers)
+        block_size = self.kv_cache.block_size
+        if self.fused is not None and len(input_ids) <= FUSED_MAX_ROWS:
+            hidden, aux = self.fused.forward(ids, pos, spans, block_size, aux_layers)
+        else:
+            meta = self.model.layers[0].self_attn.backend.prepare(spans, block_size, self.device)
+            hidden, aux = self.model(ids, pos, self.kv_cache.layers, meta, aux_layers)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows]), aux
 

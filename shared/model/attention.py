@@ -55,7 +55,7 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-def _context_slots(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
+def context_slots(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
     blocks = torch.tensor(block_table[: (length + block_size - 1) // block_size], dtype=torch.long)
     slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
     return slots[:length]
@@ -76,7 +76,7 @@ class TorchAttention:
         row = 0
         for span in spans:
             total = span.num_cached + span.num_new
-            slots = _context_slots(span.block_table, total, block_size)
+            slots = context_slots(span.block_table, total, block_size)
             slot_mapping.append(slots[span.num_cached :])
             if span.num_new == 1 and span.mask is None:
                 decode_rows.append(row)

@@ -1,0 +1,215 @@
+// A Llama-family decoder's forward for a few rows (decode and verification) on CPU.
+//
+// A step over few rows is bound by reading the weights. The matmuls are oneDNN's kernels
+// for packed weights; everything between them (norms, RoPE, KV writes, paged attention
+// reading the cache in place, SiLU, residuals) runs here in C++, so a step has no Python
+// and no per-op dispatch between the layers' matmuls.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using torch::Tensor;
+
+inline float hsum(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+
+inline float dot(const float* a, const float* b, int64_t k) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float total = hsum(acc);
+  for (; i < k; ++i) total += a[i] * b[i];
+  return total;
+}
+
+// x @ w.T + b (+ residual) through oneDNN's kernel for a weight it packed
+// (torch.ops.mkldnn._linear_pointwise), which streams the weight near the read bandwidth.
+Tensor packed_linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor* residual) {
+  static const auto plain = c10::Dispatcher::singleton().findSchemaOrThrow(
+      "mkldnn::_linear_pointwise", "");
+  static const auto add = c10::Dispatcher::singleton().findSchemaOrThrow(
+      "mkldnn::_linear_pointwise", "binary");
+  std::optional<Tensor> bias = b.numel() ? std::optional<Tensor>(b) : std::nullopt;
+  torch::jit::Stack stack;
+  if (residual) {
+    stack = {x, *residual, w, bias, std::string("add")};
+    add.callBoxed(&stack);
+  } else {
+    stack = {x, w, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
+             std::optional<std::string>("")};
+    plain.callBoxed(&stack);
+  }
+  return stack[0].toTensor();
+}
+
+void rms_norm(const float* x, const float* weight, float eps, int64_t rows, int64_t dim,
+              float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
+    float scale = 1.f / std::sqrt(dot(xr, xr, dim) / dim + eps);
+    for (int64_t i = 0; i < dim; ++i) out[r * dim + i] = xr[i] * scale * weight[i];
+  }
+}
+
+// x * cos + roll(x, half) * sin per head; sin is negated in its first half (rope.py).
+void rope(float* heads, int64_t count, int64_t dim, const float* cos, const float* sin) {
+  std::vector<float> tmp(dim);
+  int64_t half = dim / 2;
+  for (int64_t h = 0; h < count; ++h) {
+    float* x = heads + h * dim;
+    std::copy(x, x + dim, tmp.begin());
+    for (int64_t i = 0; i < dim; ++i) x[i] = tmp[i] * cos[i] + tmp[(i + half) % dim] * sin[i];
+  }
+}
+
+inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+// Weights of one decoder layer (biases may be empty tensors) and its K/V caches.
+struct Layer {
+  Tensor input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias;
+  Tensor k_cache, v_cache;  // [slots, kv_heads, head_dim]
+};
+
+const float* data_or_null(const Tensor& t) { return t.numel() ? t.data_ptr<float>() : nullptr; }
+
+// One forward pass's sequences: each has `num_new` rows starting at `first_row`, sees
+// `num_cached` cached tokens in full, and among its new tokens either causally
+// (mask_offset < 0) or by a [num_new, num_new] mask stored at `masks[mask_offset]`.
+struct Spans {
+  const int64_t* table;  // [count, 5]: first_row, num_new, num_cached, slot_offset, mask_offset
+  int64_t count;
+  const int64_t* slots;  // each span's context slots (cached then new) from its slot_offset
+  const bool* masks;
+};
+
+class Decoder {
+ public:
+  // layers: per layer its 10 weights (matmul weights packed by oneDNN) and 2 caches.
+  // min_rows: oneDNN's kernels for fewer rows are slower, so buffers have at least this many.
+  Decoder(std::vector<std::vector<Tensor>> layers, Tensor final_norm, double eps,
+          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t min_rows)
+      : norm_(final_norm), eps_(eps), heads_(num_heads), kv_heads_(num_kv_heads),
+        dim_(head_dim), hidden_(final_norm.numel()), min_rows_(min_rows) {
+    for (auto& l : layers) {
+      TORCH_CHECK(l.size() == 12, "a layer is 10 weights and 2 caches");
+      layers_.push_back({l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7], l[8], l[9], l[10], l[11]});
+    }
+  }
+
+  // x [rows, hidden] embedded tokens; cos/sin [rows, head_dim] at their positions;
+  // slot_mapping [rows] cache slot of each row. Returns the final-normed hidden states
+  // followed by the residual stream after each layer in `aux_layers`, in that order.
+  std::vector<Tensor> forward(Tensor x, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor spans,
+                              Tensor slots, Tensor masks, std::vector<int64_t> aux_layers) {
+    const int64_t rows = x.size(0), padded = std::max(rows, min_rows_);
+    const int64_t q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
+    const int64_t qkv_size = q_size + 2 * kv_size;
+    auto opts = x.options();
+    // Padding rows stay zero in, and compute harmless values that are never read.
+    Tensor h = torch::zeros({padded, hidden_}, opts);
+    h.narrow(0, 0, rows).copy_(x);
+    Tensor normed = torch::zeros({padded, hidden_}, opts), attn = torch::zeros({padded, q_size}, opts);
+    const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+    const int64_t* slot_of_row = slot_mapping.data_ptr<int64_t>();
+    Spans s{spans.data_ptr<int64_t>(), spans.size(0), slots.data_ptr<int64_t>(),
+            masks.numel() ? masks.data_ptr<bool>() : nullptr};
+    std::vector<Tensor> out(1 + aux_layers.size());
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      rms_norm(h.data_ptr<float>(), l.input_norm.data_ptr<float>(), eps_, rows, hidden_,
+               normed.data_ptr<float>());
+      Tensor qkv = packed_linear(normed, l.qkv, l.qkv_bias, nullptr);
+      float* qp = qkv.data_ptr<float>();
+      float* kc = l.k_cache.data_ptr<float>();
+      float* vc = l.v_cache.data_ptr<float>();
+      for (int64_t r = 0; r < rows; ++r) {
+        float* row = qp + r * qkv_size;
+        rope(row, heads_ + kv_heads_, dim_, cp + r * dim_, sp + r * dim_);
+        std::copy(row + q_size, row + q_size + kv_size, kc + slot_of_row[r] * kv_size);
+        std::copy(row + q_size + kv_size, row + qkv_size, vc + slot_of_row[r] * kv_size);
+      }
+      attention(qp, qkv_size, kc, vc, s, attn.data_ptr<float>());
+      h = packed_linear(attn, l.o, l.o_bias, &h);
+      rms_norm(h.data_ptr<float>(), l.post_norm.data_ptr<float>(), eps_, rows, hidden_,
+               normed.data_ptr<float>());
+      Tensor gate_up = packed_linear(normed, l.gate_up, l.gate_up_bias, nullptr);
+      const int64_t inter = gate_up.size(1) / 2;
+      Tensor act = torch::zeros({padded, inter}, opts);
+      const float* gp = gate_up.data_ptr<float>();
+      float* ap = act.data_ptr<float>();
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < inter; ++j)
+          ap[r * inter + j] = silu(gp[r * 2 * inter + j]) * gp[r * 2 * inter + inter + j];
+      h = packed_linear(act, l.down, l.down_bias, &h);
+      for (size_t a = 0; a < aux_layers.size(); ++a)
+        if (aux_layers[a] == static_cast<int64_t>(i)) out[1 + a] = h.narrow(0, 0, rows);
+    }
+    rms_norm(h.data_ptr<float>(), norm_.data_ptr<float>(), eps_, rows, hidden_,
+             normed.data_ptr<float>());
+    out[0] = normed.narrow(0, 0, rows);
+    return out;
+  }
+
+ private:
+  // Softmax attention of each query head over its span's visible context, reading K and V
+  // in place from the paged caches. q rows have stride `ld`; out is [rows, heads * dim].
+  void attention(const float* q, int64_t ld, const float* kc, const float* vc, const Spans& s,
+                 float* out) const {
+    const int64_t group = heads_ / kv_heads_, kv_size = kv_heads_ * dim_;
+    const float scale = 1.f / std::sqrt(static_cast<float>(dim_));
+    at::parallel_for(0, s.count * heads_, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> p;
+      for (int64_t job = begin; job < end; ++job) {
+        const int64_t* span = s.table + (job / heads_) * 5;
+        const int64_t h = job % heads_, kv_off = (h / group) * dim_;
+        const int64_t first = span[0], num_new = span[1], cached = span[2];
+        const int64_t* ctx = s.slots + span[3];
+        const bool* mask = span[4] < 0 ? nullptr : s.masks + span[4];
+        p.resize(cached + num_new);
+        for (int64_t i = 0; i < num_new; ++i) {
+          const float* qi = q + (first + i) * ld + h * dim_;
+          const int64_t visible = cached + (mask ? num_new : i + 1);
+          float top = -INFINITY;
+          for (int64_t j = 0; j < visible; ++j) {
+            bool seen = j < cached || !mask || mask[i * num_new + (j - cached)];
+            p[j] = seen ? dot(qi, kc + ctx[j] * kv_size + kv_off, dim_) * scale : -INFINITY;
+            top = std::max(top, p[j]);
+          }
+          float total = 0.f;
+          for (int64_t j = 0; j < visible; ++j) total += (p[j] = std::exp(p[j] - top));
+          float* o = out + (first + i) * heads_ * dim_ + h * dim_;
+          std::fill(o, o + dim_, 0.f);
+          for (int64_t j = 0; j < visible; ++j) {
+            if (p[j] == 0.f) continue;
+            const float* v = vc + ctx[j] * kv_size + kv_off;
+            const float w = p[j] / total;
+            for (int64_t d = 0; d < dim_; ++d) o[d] += w * v[d];
+          }
+        }
+      }
+    });
+  }
+
+  std::vector<Layer> layers_;
+  Tensor norm_;
+  float eps_;
+  int64_t heads_, kv_heads_, dim_, hidden_, min_rows_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<Decoder>(m, "Decoder")
+      .def(pybind11::init<std::vector<std::vector<Tensor>>, Tensor, double, int64_t, int64_t,
+                          int64_t, int64_t>())
+      .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

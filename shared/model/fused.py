@@ -1,0 +1,105 @@
+"""The decoder's forward over a few rows (decode, verification) in one call into the C++
+CPU kernel (`kernels/cpu/decoder.cpp`): the same oneDNN matmuls over packed weights, with
+no Python between them and attention reading the paged cache in place. Same maths as
+`LlamaForCausalLM.forward`; prefill-sized batches keep the torch path, whose attention
+is faster for long spans."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shared.model.attention import SequenceSpan, context_slots
+from shared.model.llama import PACKED_MIN_ROWS, Linear, LlamaForCausalLM
+
+# Up to this many rows per step go through the kernel; its attention is a plain loop,
+# fine for decode and draft trees, slower than SDPA over a long prompt.
+FUSED_MAX_ROWS = 32
+
+
+def _weights(layer: nn.Module) -> list[torch.Tensor]:
+    """The 10 tensors decoder.cpp reads per layer (packed matmul weights; an absent bias
+    is an empty tensor)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    none = torch.empty(0)
+    qkv, o, gate_up, down = ((m.packed, none if m.bias is None else m.bias) for m in linears)
+    return [layer.input_layernorm.weight, *qkv, *o, layer.post_attention_layernorm.weight] + [
+        *gate_up,
+        *down,
+    ]
+
+
+class FusedDecoder:
+    def __init__(
+        self, kernel: object, model: LlamaForCausalLM, kv_layers: list[tuple[torch.Tensor, ...]]
+    ) -> None:
+        cfg = model.config
+        layers = [
+            [w.detach() for w in _weights(layer)] + list(kv)
+            for layer, kv in zip(model.layers, kv_layers, strict=True)
+        ]
+        self.model = model
+        self.decoder = kernel.Decoder(
+            layers,
+            model.norm.weight.detach(),
+            cfg.rms_norm_eps,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            PACKED_MIN_ROWS,
+        )
+
+    @classmethod
+    def build(
+        cls, model: LlamaForCausalLM, kv_layers: list[tuple[torch.Tensor, ...]]
+    ) -> FusedDecoder | None:
+        """A fused decoder for this model once `pack_linears` packed it, or None where the
+        kernel does not apply (unpacked weights: not fp32 on CPU; no compiled kernel)."""
+        linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
+        if any(m.packed is None for m in linears):
+            return None
+        from kernels.cpu import load
+
+        kernel = load()
+        return None if kernel is None else cls(kernel, model, kv_layers)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        spans: list[SequenceSpan],
+        block_size: int,
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """As `LlamaForCausalLM.forward`, for at most FUSED_MAX_ROWS rows."""
+        table, slots, new_slots, masks = [], [], [], []
+        row = slot_offset = mask_offset = 0
+        for span in spans:
+            total = span.num_cached + span.num_new
+            ctx = context_slots(span.block_table, total, block_size)
+            if len(ctx) < total:  # the kernel trusts its slots: never let it write past them
+                raise IndexError(f"block table of {len(span.block_table)} blocks < {total} tokens")
+            mask_at = -1
+            if span.mask is not None:
+                mask_at, mask_offset = mask_offset, mask_offset + span.num_new**2
+                masks.append(span.mask.flatten())
+            table.append((row, span.num_new, span.num_cached, slot_offset, mask_at))
+            slots.append(ctx)
+            new_slots.append(ctx[span.num_cached :])
+            row, slot_offset = row + span.num_new, slot_offset + total
+        model = self.model
+        head_dim = model.config.head_dim
+        cos = model.rope_cos[positions].view(-1, head_dim)
+        sin = model.rope_sin[positions].view(-1, head_dim)
+        out = self.decoder.forward(
+            model.embed_tokens(input_ids),
+            cos,
+            sin,
+            torch.cat(new_slots),
+            torch.tensor(table, dtype=torch.long),
+            torch.cat(slots),
+            torch.cat(masks).cpu() if masks else torch.empty(0, dtype=torch.bool),
+            list(aux_layers),
+        )
+        return out[0], out[1:]
