@@ -1,3 +1,3 @@
-"""Accelerator kernels: Triton kernels (tested on CPU with TRITON_INTERPRET=1) and GPU
-attention backends. Nothing here is imported on the CPU path; backends are chosen by name
-through `shared.model.attention.get_attention_backend`. Empty until the first kernel lands."""
+"""Kernels: `cpu/`, the fused CPU decoder (C++, compiled on first use), and later Triton
+kernels and GPU attention backends. GPU code is imported only when chosen, through
+`shared.model.attention.get_attention_backend`."""
