@@ -9,3 +9,5 @@ VENV="${SPECMESH_VENV:-.venv}"
 . "$VENV/bin/activate"
 python -c "import torch" 2>/dev/null || pip install --quiet "torch==2.13.0"
 pip install --quiet -e ".[test]"
+# Compile the fused CPU decoder now (once per machine, cached), not in the first service.
+python -c "from kernels.cpu import load; load()"
