@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from shared.core.sequence import Sequence
 from shared.engine.engine import EngineConfig, LLMEngine
-from shared.engine.sequence import Sequence
 from shared.model.attention import SequenceSpan
 from shared.sampling.params import SamplingParams
 from shared.tokenizer import Tokenizer

@@ -15,14 +15,14 @@ import torch
 from test_speculative import GREEDY, PROMPTS
 
 from services.prefill.service import PrefillEngine
+from shared.core.sequence import RemotePrefix
+from shared.core.tree import DraftTree
 from shared.engine.engine import EngineConfig, FirstToken, LLMEngine
-from shared.engine.sequence import RemotePrefix
 from shared.kvcache.exchange import KVExchange, model_fingerprint
 from shared.sampling.params import SamplingParams
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.drafter import DraftRequest
 from shared.speculative.ngram import NgramDrafter
-from shared.speculative.tree import DraftTree
 from shared.tokenizer import Tokenizer
 from shared.transport import KVTransport
 from shared.transport.shm import ShmTransport

@@ -10,6 +10,8 @@ from torch import nn
 from shared.model.llama import Linear, pack_linears
 from shared.model.rope import apply_rope, rope_cos_sin
 
+pytestmark = pytest.mark.unit
+
 needs_onednn = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="oneDNN is not in this torch build"
 )

@@ -24,12 +24,12 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from shared.engine.model_runner import ModelRunner
 from shared.kvcache.kv_cache import KVCache
 from shared.model.attention import SequenceSpan, TorchAttention
 from shared.model.config import ModelConfig
 from shared.model.loader import load_model
 from shared.model.rope import rope_cos_sin
+from shared.runner.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 VOCAB = 128

@@ -13,6 +13,8 @@ from shared.parsers import held_back
 from shared.parsers.reasoning import REASONING_PARSERS, make_reasoning_parser
 from shared.parsers.tools import TOOL_PARSERS, ToolCall, make_tool_parser
 
+pytestmark = pytest.mark.unit
+
 # (name, arguments) of the calls a parser should find.
 Calls = list[tuple[str, dict[str, Any]]]
 

@@ -16,6 +16,8 @@ from shared.sampling.sampler import (
     to_probs,
 )
 
+pytestmark = pytest.mark.unit
+
 P = SamplingParams
 
 

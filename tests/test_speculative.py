@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from shared.core.tree import DraftTree
 from shared.engine.engine import EngineConfig, LLMEngine
 from shared.engine.speculation import StepCosts, best_budget
 from shared.sampling.params import SamplingParams
 from shared.sampling.sampler import draw, position_generator
 from shared.speculative.accept import accept_sampling
 from shared.speculative.config import SpeculativeConfig
-from shared.speculative.tree import DraftTree
 from shared.tokenizer import Tokenizer
 
 PROMPTS = [

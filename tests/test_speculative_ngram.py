@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared.core.tree import DraftTree
 from shared.speculative.accept import accept_greedy
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.drafter import DraftRequest
 from shared.speculative.ngram import NgramDrafter, NgramTrie
-from shared.speculative.tree import DraftTree
+
+pytestmark = pytest.mark.unit
 
 
 def ngram(depth: int, breadth: int = 8, match: str = "BFS") -> NgramDrafter:

@@ -15,8 +15,8 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping
 
+from shared.core.sequence import RemotePrefix
 from shared.engine.engine import FirstToken, LLMEngine, TokenOutput
-from shared.engine.sequence import RemotePrefix
 from shared.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)

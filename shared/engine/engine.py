@@ -12,19 +12,19 @@ from pathlib import Path
 import torch
 
 from shared.config import model_option, option, resolve_device, resolve_dtype
-from shared.engine.model_runner import ModelRunner
+from shared.core.sequence import RemotePrefix, Sequence, SequenceStatus
+from shared.core.tree import DraftTree
 from shared.engine.scheduler import Scheduler
-from shared.engine.sequence import RemotePrefix, Sequence, SequenceStatus
 from shared.engine.speculation import PendingDrafts, SpecStats, Speculator, StepCosts
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.exchange import KVExchange, feature_tag
 from shared.kvcache.kv_cache import KVCache
 from shared.model.loader import load_model
+from shared.runner.model_runner import ModelRunner
 from shared.sampling.params import SamplingParams
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.drafter import Drafter
 from shared.speculative.factory import make_drafter
-from shared.speculative.tree import DraftTree
 
 log = logging.getLogger(__name__)
 

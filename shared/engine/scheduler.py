@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from shared.engine.sequence import Sequence, SequenceStatus
+from shared.core.sequence import Sequence, SequenceStatus
 from shared.kvcache.block_manager import BlockManager
 
 

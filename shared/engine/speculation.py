@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.engine.sequence import Sequence, SequenceStatus
+from shared.core.sequence import Sequence, SequenceStatus
+from shared.core.tree import DraftTree
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.kv_cache import KVCache
 from shared.sampling.params import SamplingParams
@@ -25,7 +26,6 @@ from shared.sampling.sampler import has_penalties, to_probs
 from shared.speculative.accept import accept_greedy, accept_sampling
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.drafter import Drafter, DraftRequest
-from shared.speculative.tree import DraftTree
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared.engine.sequence import Sequence
+from shared.core.sequence import Sequence
 
 
 def block_hash(tokens: list[int], prev_hash: int | None) -> int:

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from shared.core.tree import DraftTree
 from shared.sampling.sampler import draw, position_generator
-from shared.speculative.tree import DraftTree
 
 
 def _children(tree: DraftTree) -> dict[int, list[int]]:

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from shared.speculative.tree import DraftTree
+from shared.core.tree import DraftTree
 
 
 @dataclass

@@ -26,7 +26,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from shared.engine.sequence import Sequence
+from shared.core.sequence import Sequence
+from shared.core.tree import DraftTree
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.kv_cache import KVCache
 from shared.model.attention import SequenceSpan, TorchAttention
@@ -37,7 +38,6 @@ from shared.model.rope import rope_cos_sin
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.drafter import DraftRequest, LocalDrafter, target_feature_layers
 from shared.speculative.standalone import DRAFT_PARAMS, TreeSearch, load_token_map
-from shared.speculative.tree import DraftTree
 
 
 class EagleHead(nn.Module):

@@ -17,17 +17,17 @@ from pathlib import Path
 
 import torch
 
-from shared.engine.model_runner import ModelRunner
-from shared.engine.sequence import Sequence
+from shared.core.sequence import Sequence
+from shared.core.tree import DraftTree, ancestor_mask
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.kv_cache import KVCache
 from shared.model.attention import SequenceSpan
 from shared.model.llama import Linear, LlamaForCausalLM
 from shared.model.loader import load_model
+from shared.runner.model_runner import ModelRunner
 from shared.sampling.params import SamplingParams
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.drafter import DraftRequest, LocalDrafter
-from shared.speculative.tree import DraftTree, ancestor_mask
 
 DRAFT_PARAMS = SamplingParams(temperature=0.0)
 

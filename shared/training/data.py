@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from shared.core.sequence import Sequence
 from shared.engine.engine import LLMEngine
-from shared.engine.sequence import Sequence
 from shared.kvcache.block_manager import block_hash
 from shared.sampling.params import SamplingParams
 from shared.tokenizer import Tokenizer

@@ -15,54 +15,12 @@ between calls except the byte counters, which are guarded by a lock.
 
 from __future__ import annotations
 
-import abc
-import threading
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 from shared.config import option, secret_option
-
-
-class KVTransport(abc.ABC):
-    """Store of immutable blobs by key. Values for one key are always identical
-    (content-addressed), so concurrent writers of the same key are harmless."""
-
-    def __init__(self) -> None:
-        # Bytes actually moved by put_many / get_many, for metrics.
-        self.bytes_written = 0
-        self.bytes_read = 0
-        self._counter_lock = threading.Lock()
-
-    def _count(self, written: int = 0, read: int = 0) -> None:
-        with self._counter_lock:
-            self.bytes_written += written
-            self.bytes_read += read
-
-    @abc.abstractmethod
-    def put_many(self, items: dict[str, bytes], ttl_s: float) -> None:
-        """Store every item; each key expires `ttl_s` seconds from now."""
-
-    @abc.abstractmethod
-    def get_many(self, keys: list[str]) -> list[bytes | None]:
-        """The value of each key, None where it is missing or expired."""
-
-    @abc.abstractmethod
-    def count_present(self, keys: list[str]) -> int:
-        """How many of `keys`, from the first, are present: the longest stored prefix of a
-        prompt's block chain, which is what a reader can reuse."""
-
-    @abc.abstractmethod
-    def touch(self, keys: list[str], ttl_s: float) -> None:
-        """Push the expiry of the present keys to now + `ttl_s`; missing keys are ignored."""
-
-    @abc.abstractmethod
-    def delete_many(self, keys: list[str]) -> None:
-        """Remove the keys; missing keys are ignored."""
-
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Release connections; stored blobs stay for other processes."""
+from shared.transport.base import KVTransport
 
 
 def make_transport(
@@ -73,8 +31,7 @@ def make_transport(
 ) -> KVTransport:
     """The backend named by config. `namespace` keeps deployments sharing a store apart;
     `redis_options` (credentials, TLS files) go to the redis client."""
-    # Imported here so that a shm deployment never loads the redis client (and to avoid an
-    # import cycle: the backends import KVTransport from this module).
+    # Imported here so that a shm deployment never loads the redis client.
     if kind == "shm":
         from shared.transport.shm import ShmTransport
 

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from shared.transport import KVTransport
+from shared.transport.base import KVTransport
 
 # Fail fast when the server is down instead of waiting on the OS connect timeout.
 _CONNECT_TIMEOUT_S = 5.0

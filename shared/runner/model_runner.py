@@ -7,13 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.sequence import Sequence
+from shared.core.sequence import Sequence
+from shared.core.tree import DraftTree
 from shared.kvcache.kv_cache import KVCache
 from shared.model.attention import SequenceSpan
 from shared.model.fused import FUSED_MAX_ROWS, FusedDecoder
 from shared.model.llama import LlamaForCausalLM, pack_linears
 from shared.sampling.sampler import SampleOutput, Sampler, position_generator
-from shared.speculative.tree import DraftTree
 
 
 @dataclass
