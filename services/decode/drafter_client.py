@@ -16,6 +16,7 @@ import numpy as np
 from opentelemetry.context import Context
 
 from shared.bus import Bus
+from shared.core.tree import DraftTree
 from shared.protocol import (
     DraftClose,
     DraftItem,
@@ -26,7 +27,6 @@ from shared.protocol import (
     drafter_subject,
 )
 from shared.speculative.drafter import DraftRequest
-from shared.speculative.tree import DraftTree
 
 log = logging.getLogger(__name__)
 

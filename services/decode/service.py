@@ -22,9 +22,10 @@ from opentelemetry import context as otel_context
 from services.decode.drafter_client import DrafterClient
 from shared.bus import Outbox
 from shared.config import option
+from shared.core.sequence import RemotePrefix, Sequence
+from shared.core.tree import DraftTree
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import EngineConfig, FirstToken, LLMEngine, TokenOutput
-from shared.engine.sequence import RemotePrefix, Sequence
 from shared.kvcache.exchange import KVExchange, model_fingerprint
 from shared.model.config import ModelConfig
 from shared.model.fetch import resolve_model
@@ -42,7 +43,6 @@ from shared.protocol import (
 from shared.service import EngineService, ServiceConfig
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.factory import drafter_target_features
-from shared.speculative.tree import DraftTree
 from shared.telemetry import (
     ACTIVE_REQUESTS,
     DRAFT_WAIT_SECONDS,

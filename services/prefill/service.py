@@ -16,9 +16,9 @@ import logging
 import torch
 
 from services.prefill.config import PrefillConfig
+from shared.core.sequence import RemotePrefix, Sequence
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import EngineConfig, LLMEngine
-from shared.engine.sequence import RemotePrefix, Sequence
 from shared.engine.speculation import SpecStats
 from shared.kvcache.exchange import KVExchange, feature_tag, model_fingerprint
 from shared.model.fetch import resolve_model
