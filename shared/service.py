@@ -39,10 +39,22 @@ from prometheus_client.exposition import MetricsHandler
 from shared.bus import Bus, NatsAuth
 from shared.config import add_dataclass_args, dataclass_from_args, option
 from shared.protocol import GATEWAY_HEARTBEAT, HEARTBEAT, Heartbeat
-from shared.telemetry import setup_tracing, shutdown_tracing
+from shared.telemetry import (
+    GEN_THROUGHPUT,
+    KV_BLOCKS_FREE,
+    KV_BLOCKS_USED,
+    NUM_QUEUE_REQS,
+    NUM_RUNNING_REQS,
+    NUM_USED_TOKENS,
+    QUEUE_LENGTH,
+    TOKEN_USAGE,
+    setup_tracing,
+    shutdown_tracing,
+)
 
 if TYPE_CHECKING:  # the gateway and tokenizer never load torch
     from shared.engine.async_engine import AsyncEngine
+    from shared.engine.engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +301,7 @@ def service_main(
         add_dataclass_args(parser, cls)
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=os.environ.get("SPECMESH_LOG_LEVEL", "INFO"),
+        level=os.environ.get("SPECMESH_LOG_LEVEL", "INFO").upper(),
         format=f"%(asctime)s {service_cls.kind} %(name)s %(levelname)s %(message)s",
     )
     try:
@@ -303,6 +315,26 @@ class EngineService(Service):
     """A service whose main thread runs an engine's step loop (prefill, decode)."""
 
     driver: AsyncEngine
+    engine: LLMEngine
+    model_name: str  # the `model_name` label of its SGLang-named series
+    _reported: tuple[float, int] = (0.0, 0)  # (time, tokens generated) at the last report
+
+    def report_engine(self) -> None:
+        """Set the engine's gauges, ours and SGLang's, as of now (with each heartbeat)."""
+        engine, blocks, name = self.engine, self.engine.block_manager, self.model_name
+        used, waiting = len(blocks.blocks) - blocks.num_free, len(engine.scheduler.waiting)
+        QUEUE_LENGTH.labels(self.kind).set(waiting)
+        KV_BLOCKS_FREE.labels(self.kind).set(blocks.num_free)
+        KV_BLOCKS_USED.labels(self.kind).set(used)
+        NUM_QUEUE_REQS.labels(name).set(waiting)
+        NUM_RUNNING_REQS.labels(name).set(len(engine.scheduler.running))
+        TOKEN_USAGE.labels(name).set(used / len(blocks.blocks))
+        NUM_USED_TOKENS.labels(name).set(used * blocks.block_size)
+        now, generated = time.monotonic(), engine.stats.generated_tokens
+        then, before = self._reported
+        if then:
+            GEN_THROUGHPUT.labels(name).set((generated - before) / (now - then))
+        self._reported = (now, generated)
 
     def main_loop(self) -> None:
         self.driver.run()

@@ -5,7 +5,10 @@ is set (the standard variables configure the exporter); the trace context
 travels in NATS headers (see shared/bus.py).
 
 Metrics: Prometheus, one definition of each here; a service serves the ones it
-updates on `/metrics`. Names follow the vLLM/Dynamo style so dashboards carry over.
+updates on `/metrics`. Where SGLang has a metric, ours is SGLang's: its name (`sglang:`
+prefix), its `model_name` label and its latency range, so SGLang's Grafana dashboard
+works against us unchanged. `specmesh_` names cover what SGLang has no metric for
+(per-service load, KV blocks and transport bytes, drafting, routing, restarts).
 """
 
 from __future__ import annotations
@@ -16,6 +19,14 @@ from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5, 10)
+# SGLang's ranges: a long chat's first token or whole answer must not read as 10 s.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1)
+_TTFT_BUCKETS += (2.5, 5, 7.5, 10, 15, 20, 25, 30, 60, 120, 300)
+_ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1)
+_ITL_BUCKETS += (0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 90)
+_E2E_BUCKETS += (120, 180, 300, 600, 1200, 2400)
+MODEL = ["model_name"]
 
 
 def setup_tracing(service: str, instance_id: str) -> None:
@@ -50,27 +61,49 @@ def shutdown_tracing() -> None:
 # Gateway
 REQUESTS = Counter("specmesh_requests", "finished HTTP generation requests", ["status"])
 TTFT = Histogram(
-    "specmesh_time_to_first_token_seconds",
+    "sglang:time_to_first_token_seconds",
     "request arrival to first token",
-    buckets=_LATENCY_BUCKETS,
+    MODEL,
+    buckets=_TTFT_BUCKETS,
 )
 ITL = Histogram(
-    "specmesh_inter_token_latency_seconds",
+    "sglang:inter_token_latency_seconds",
     "time between streamed tokens (per token, deltas of several tokens averaged)",
-    buckets=_LATENCY_BUCKETS,
+    MODEL,
+    buckets=_ITL_BUCKETS,
 )
 E2E = Histogram(
-    "specmesh_e2e_request_latency_seconds",
+    "sglang:e2e_request_latency_seconds",
     "request arrival to last token",
-    buckets=_LATENCY_BUCKETS,
+    MODEL,
+    buckets=_E2E_BUCKETS,
 )
-PROMPT_TOKENS = Counter("specmesh_prompt_tokens", "prompt tokens of finished requests")
-GENERATION_TOKENS = Counter("specmesh_generation_tokens", "generated tokens of finished requests")
-ROUTED = Counter("specmesh_routed_requests", "requests routed to an instance", ["kind", "instance"])
+PROMPT_TOKENS = Counter("sglang:prompt_tokens", "prompt tokens of finished requests", MODEL)
+GENERATION_TOKENS = Counter(
+    "sglang:generation_tokens", "generated tokens of finished requests", MODEL
+)
+ROUTED = Counter(
+    "specmesh_routed_requests", "requests routed to an instance", ["kind", "instance_id"]
+)
 MIGRATED = Counter(
     "specmesh_migrated_requests", "requests resumed on another decode worker", ["outcome"]
 )
 INSTANCES = Gauge("specmesh_instances", "live instances the gateway sees", ["kind"])
+
+# Prefill and decode, per instance, as SGLang's scheduler reports them
+NUM_RUNNING_REQS = Gauge("sglang:num_running_reqs", "sequences in the running batch", MODEL)
+NUM_QUEUE_REQS = Gauge("sglang:num_queue_reqs", "sequences waiting to be scheduled", MODEL)
+TOKEN_USAGE = Gauge("sglang:token_usage", "fraction of the KV cache in use", MODEL)
+NUM_USED_TOKENS = Gauge("sglang:num_used_tokens", "KV-cache token slots in use", MODEL)
+GEN_THROUGHPUT = Gauge(
+    "sglang:gen_throughput", "tokens/s generated since the previous report", MODEL
+)
+CACHE_HIT_RATE = Gauge(
+    "sglang:cache_hit_rate", "share of prompt tokens served from a prefix cache", MODEL
+)
+SPEC_ACCEPT_LENGTH = Gauge(
+    "sglang:spec_accept_length", "tokens per verify step since the previous report", MODEL
+)
 
 # Every service with a queue
 QUEUE_LENGTH = Gauge("specmesh_queue_length", "requests waiting", ["service"])

@@ -249,8 +249,8 @@ def test_dashboard_covers_what_operators_watch() -> None:
     metrics = _dashboard_metrics()
     wanted = {
         "specmesh_requests_total",  # request rate
-        "specmesh_time_to_first_token_seconds_bucket",  # TTFT percentiles
-        "specmesh_inter_token_latency_seconds_bucket",  # ITL percentiles
+        "sglang:time_to_first_token_seconds_bucket",  # TTFT percentiles
+        "sglang:inter_token_latency_seconds_bucket",  # ITL percentiles
         "specmesh_spec_accepted_tokens_total",  # acceptance length per algorithm
         "specmesh_spec_verify_steps_total",
         "specmesh_draft_seconds_sum",  # draft vs verify time

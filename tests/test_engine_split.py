@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_speculative import GREEDY, PROMPTS
+from helpers import GREEDY, PROMPTS
 
 from services.prefill.service import PrefillEngine
 from shared.core.sequence import RemotePrefix

@@ -646,7 +646,7 @@ def test_a_request_without_output_fails_after_its_idle_timeout() -> None:
 
     async def wait_for_nothing(url: str) -> list[TextDelta]:
         bus = await Bus.connect(url, "test")
-        cluster = Cluster(bus, "gw", 3.0, 10.0, 8, idle_timeout=0.3)
+        cluster = Cluster(bus, "gw", 3.0, 10.0, 8, idle_timeout=0.3, model_name="m")
         generation = Generation(cluster, ["lost-request"])
         cluster.outputs["lost-request"] = generation.queue
         deltas = [delta async for delta in generation.deltas()]

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import schemathesis
 from deployment import specmesh_up
+from helpers import tiny_llama
 from hypothesis import HealthCheck, given, settings
 from schemathesis.generation.modes import GenerationMode
 from schemathesis.schemas import APIOperation
-from test_speculative import tiny_llama
 
 EXAMPLES_PER_MODE = 20  # per operation, for inputs that fit the schema and that do not
 

@@ -28,9 +28,10 @@ from deployment import (
     stream_chat,
     streamed_text,
 )
+from helpers import tiny_llama
 from otlp_receiver import OtlpReceiver
-from test_speculative import tiny_llama
 
+import shared.speculative
 from shared.engine.engine import EngineConfig, LLMEngine
 from shared.infra import ServerProcess, start_nats, start_valkey
 from shared.sampling.params import SamplingParams
@@ -126,6 +127,70 @@ def test_ngram_pipeline_equals_the_in_process_engine(
     assert state["speculative_algorithm"] == "NGRAM" and state["avg_spec_accept_length"] > 1.0
 
 
+# What SGLang's published Grafana dashboard queries (sgl-project/sglang,
+# examples/monitoring/grafana/dashboards/json/sglang-dashboard.json): latency histograms and
+# scheduler gauges, filtered by `model_name` (`instance` is Prometheus's own label).
+SGLANG_DASHBOARD_SERIES = [
+    *(
+        f"sglang:{h}_{part}"
+        for h in ("e2e_request_latency_seconds", "time_to_first_token_seconds")
+        for part in ("bucket", "sum", "count")
+    ),
+    "sglang:num_running_reqs",
+    "sglang:gen_throughput",
+    "sglang:cache_hit_rate",
+    "sglang:num_queue_reqs",
+]
+
+
+def _all_samples(url: str, nats_url: str) -> dict:
+    samples = scrape(f"{url}/metrics")
+    for beat in heartbeats(nats_url).values():
+        if beat.metrics_url:
+            samples |= scrape(beat.metrics_url)
+    return samples
+
+
+def test_sglang_dashboard_series_are_served(ngram: tuple[str, str], smollm_dir: Path) -> None:
+    url, nats_url = ngram
+    chat_text(url, PROMPTS[0], **GREEDY)
+    model = {("model_name", smollm_dir.name)}
+    deadline = time.monotonic() + 15  # gauges are set with each heartbeat, rates from the second
+    while True:
+        samples = _all_samples(url, nats_url)
+        served = {name for name, labels in samples if model <= set(labels)}
+        missing = [name for name in SGLANG_DASHBOARD_SERIES if name not in served]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not missing, missing
+    assert not [key for key in samples if "instance" in dict(key[1])]
+    finished = [
+        v
+        for (name, labels), v in samples.items()
+        if name.endswith("e2e_request_latency_seconds_count")
+    ]
+    assert sum(finished) >= 1
+
+
+def test_an_sglang_launch_command_starts_us_unchanged(smollm_dir: Path) -> None:
+    """SGLang's EAGLE-3 example (docs/advanced_features/speculative_decoding), its model and
+    draft paths aside: GPU-only flags are accepted, `--mem-fraction` abbreviated as there."""
+    head = Path(shared.speculative.__file__).parent / "heads" / f"{smollm_dir.name}-EAGLE3"
+    sglang = (
+        f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {head} "
+        "--speculative-num-steps 5 --speculative-eagle-topk 8 --speculative-num-draft-tokens 32 "
+        "--mem-fraction 0.6 --cuda-graph-max-bs 2 --dtype float16 --log-level warning"
+    )
+    with (
+        start_nats() as bus,
+        specmesh_up(smollm_dir, "--nats-url", bus.url, *sglang.split()) as up,
+    ):
+        assert chat_text(up, PROMPTS[0], temperature=0, max_tokens=8)
+        state = httpx.get(f"{up}/get_server_info").json()["internal_states"][0]
+        assert state["speculative_algorithm"] == "EAGLE3"
+
+
 def test_kv_blocks_travel_through_redis(ngram: tuple[str, str], valkey: ServerProcess) -> None:
     url, nats_url = ngram
     chat_text(url, "Name three colours.", **GREEDY)
@@ -207,7 +272,7 @@ def test_two_decoders_two_drafters_under_concurrency(
     for kind in ("decode", "drafter"):
         for i in (0, 1):
             routed = sample(
-                gateway, "specmesh_routed_requests_total", kind=kind, instance=f"{kind}-{i}"
+                gateway, "specmesh_routed_requests_total", kind=kind, instance_id=f"{kind}-{i}"
             )
             assert routed >= 2, f"{kind}-{i} got {routed} requests"
     for beat in heartbeats(nats_url).values():

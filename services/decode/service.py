@@ -21,7 +21,7 @@ from opentelemetry import context as otel_context
 
 from services.decode.drafter_client import DrafterClient
 from shared.bus import Outbox
-from shared.config import option
+from shared.config import model_name_of, option
 from shared.core.sequence import RemotePrefix, Sequence
 from shared.core.tree import DraftTree
 from shared.engine.async_engine import AsyncEngine
@@ -46,9 +46,7 @@ from shared.speculative.factory import drafter_target_features
 from shared.telemetry import (
     ACTIVE_REQUESTS,
     DRAFT_WAIT_SECONDS,
-    KV_BLOCKS_FREE,
-    KV_BLOCKS_USED,
-    QUEUE_LENGTH,
+    SPEC_ACCEPT_LENGTH,
     SPEC_ACCEPTANCE_LENGTH,
     SPEC_ACCEPTED_TOKENS,
     SPEC_DRAFT_TOKENS,
@@ -112,7 +110,10 @@ class DecodeService(EngineService):
             self.engine.kv_cache, self.transport, fingerprint, tcfg.kv_ttl, self.kind
         )
         self.driver = AsyncEngine(self.engine, own_thread=False)
+        self.model_name = model_name_of(ecfg.model)
         self._draft_wait_reported = 0.0
+        # (verify steps, accepted drafts): all time, and at the last heartbeat
+        self._spec_counts = self._spec_reported = (0, 0)
 
     async def start(self) -> None:
         if self.client is not None:
@@ -133,20 +134,22 @@ class DecodeService(EngineService):
     def heartbeat(self) -> Heartbeat:
         engine = self.engine
         blocks = engine.block_manager
-        waiting = len(engine.scheduler.waiting)
-        QUEUE_LENGTH.labels(self.kind).set(waiting)
+        self.report_engine()
         ACTIVE_REQUESTS.labels(self.kind).set(len(self.streams))
-        KV_BLOCKS_FREE.labels(self.kind).set(blocks.num_free)
-        KV_BLOCKS_USED.labels(self.kind).set(len(blocks.blocks) - blocks.num_free)
         waited = engine.stats.draft_wait_seconds
         DRAFT_WAIT_SECONDS.inc(waited - self._draft_wait_reported)
         self._draft_wait_reported = waited
+        (steps, accepted), (steps_then, accepted_then) = self._spec_counts, self._spec_reported
+        if steps > steps_then:  # tokens per verify step since the last heartbeat
+            length = 1 + (accepted - accepted_then) / (steps - steps_then)
+            SPEC_ACCEPT_LENGTH.labels(self.model_name).set(length)
+        self._spec_reported = self._spec_counts
         return Heartbeat(
             kind=self.kind,
             instance_id=self.instance_id,
             metrics_url=self.metrics_url,
             active_requests=len(self.streams),
-            waiting_requests=waiting,
+            waiting_requests=len(engine.scheduler.waiting),
             kv_blocks_free=blocks.num_free,
             kv_blocks_total=len(blocks.blocks),
             algorithm=self.spec.speculative_algorithm if self.spec else None,
@@ -221,6 +224,8 @@ class DecodeService(EngineService):
         SPEC_VERIFY_STEPS.labels(algorithm).inc(spec["steps"])
         SPEC_DRAFT_TOKENS.labels(algorithm).inc(spec["draft_tokens"])
         SPEC_ACCEPTED_TOKENS.labels(algorithm).inc(spec["accepted_tokens"])
+        steps, accepted = self._spec_counts
+        self._spec_counts = (steps + spec["steps"], accepted + spec["accepted_tokens"])
         if spec["steps"]:
             SPEC_ACCEPTANCE_LENGTH.labels(algorithm).observe(
                 1 + spec["accepted_tokens"] / spec["steps"]

@@ -156,22 +156,23 @@ class Generation:
         self.unfinished.clear()
 
     def _record(self, delta: TextDelta) -> None:
-        now, rid = time.perf_counter(), delta.request_id
+        now, rid, model = time.perf_counter(), delta.request_id, self.cluster.model_name
         if delta.num_tokens:
             last = self.last_token_at.get(rid)
             if last is None:
-                TTFT.observe(now - self.arrival)
+                TTFT.labels(model).observe(now - self.arrival)
             else:
                 for _ in range(delta.num_tokens):  # the tokens of one step arrive together
-                    ITL.observe((now - last) / delta.num_tokens)
+                    ITL.labels(model).observe((now - last) / delta.num_tokens)
             self.last_token_at[rid] = now
             self.tokens[rid] += delta.num_tokens
         if delta.finish_reason is not None:
             REQUESTS.labels("error" if delta.finish_reason == "error" else "ok").inc()
-            E2E.observe(now - self.arrival)
+            E2E.labels(model).observe(now - self.arrival)
             placement = self.placements.get(rid)  # a moved request's prompt grew
-            PROMPT_TOKENS.inc(len(placement.prompt_ids) if placement else delta.num_prompt_tokens)
-            GENERATION_TOKENS.inc(self.tokens[rid])
+            prompt = len(placement.prompt_ids) if placement else delta.num_prompt_tokens
+            PROMPT_TOKENS.labels(model).inc(prompt)
+            GENERATION_TOKENS.labels(model).inc(self.tokens[rid])
             self.cluster.stats.add(self.tokens[rid], delta.spec)
 
 
@@ -184,9 +185,11 @@ class Cluster:
         request_timeout: float,
         max_pending: int,
         idle_timeout: float,
+        model_name: str,
     ) -> None:
         self.bus = bus
         self.gateway_id = gateway_id
+        self.model_name = model_name  # the `model_name` label of the request metrics
         self.instance_timeout = instance_timeout
         self.request_timeout = request_timeout
         self.idle_timeout = idle_timeout

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-from shared.config import DEFAULT_MODEL_NAME, model_option, option, secret_option
+from shared.config import model_name_of, model_option, option, secret_option
 
 
 @dataclass
@@ -37,4 +36,4 @@ class GatewayConfig:
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        return Path((self.model or DEFAULT_MODEL_NAME).removesuffix(".gguf")).name
+        return model_name_of(self.model)

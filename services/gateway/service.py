@@ -41,6 +41,7 @@ class GatewayService(Service):
             g.request_timeout,
             g.max_pending_requests,
             g.request_idle_timeout,
+            g.model_name,
         )
         await self.cluster.start()
         app = build_app(self.cluster, g)

@@ -16,6 +16,7 @@ import logging
 import torch
 
 from services.prefill.config import PrefillConfig
+from shared.config import model_name_of
 from shared.core.sequence import RemotePrefix, Sequence
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import EngineConfig, LLMEngine
@@ -36,10 +37,8 @@ from shared.speculative.config import SpeculativeConfig
 from shared.speculative.factory import drafter_target_features
 from shared.telemetry import (
     ACTIVE_REQUESTS,
-    KV_BLOCKS_FREE,
-    KV_BLOCKS_USED,
+    CACHE_HIT_RATE,
     PREFILL_TOKENS,
-    QUEUE_LENGTH,
 )
 from shared.transport import KVTransport, TransportConfig
 
@@ -115,6 +114,8 @@ class PrefillService(EngineService):
             features = drafter_target_features(spec.resolved(ecfg.model), ecfg.model)
         self.transport = tcfg.open()
         self.engine = PrefillEngine(ecfg, self.transport, tcfg.kv_ttl, features)
+        self.model_name = model_name_of(ecfg.model)
+        self._prompt_tokens = (0, 0)  # (computed, cached) all time: the cache hit rate
         self.driver = AsyncEngine(self.engine, own_thread=False)
 
     async def start(self) -> None:
@@ -177,6 +178,8 @@ class PrefillService(EngineService):
         computed = len(req.prompt_ids) - first.num_reused_tokens
         PREFILL_TOKENS.labels("computed").inc(computed)
         PREFILL_TOKENS.labels("cached").inc(first.num_reused_tokens)
+        total_computed, total_cached = self._prompt_tokens
+        self._prompt_tokens = (total_computed + computed, total_cached + first.num_reused_tokens)
         return PrefillReply(
             first_token=first.token_id,
             logprob=first.logprob,
@@ -187,16 +190,16 @@ class PrefillService(EngineService):
 
     def heartbeat(self) -> Heartbeat:
         blocks = self.engine.block_manager
-        waiting = len(self.engine.scheduler.waiting)
-        QUEUE_LENGTH.labels(self.kind).set(waiting)
-        KV_BLOCKS_FREE.labels(self.kind).set(blocks.num_free)
-        KV_BLOCKS_USED.labels(self.kind).set(len(blocks.blocks) - blocks.num_free)
+        self.report_engine()
+        computed, cached = self._prompt_tokens
+        if computed + cached:
+            CACHE_HIT_RATE.labels(self.model_name).set(cached / (computed + cached))
         return Heartbeat(
             kind=self.kind,
             instance_id=self.instance_id,
             metrics_url=self.metrics_url,
             active_requests=len(self.engine.sequences),
-            waiting_requests=waiting,
+            waiting_requests=len(self.engine.scheduler.waiting),
             kv_blocks_free=blocks.num_free,
             kv_blocks_total=len(blocks.blocks),
         )

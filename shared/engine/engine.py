@@ -36,12 +36,18 @@ class EngineConfig:
     model: str = model_option()
     device: str | None = option(None, "cpu, cuda, cuda:N (default: cuda when available)")
     dtype: str | None = option(None, "float32, bfloat16, float16 (default: fp32 CPU, bf16 GPU)")
-    block_size: int = option(16, "tokens per KV-cache block")
+    block_size: int = option(16, "tokens per KV-cache block", aliases=("--page-size",))
     kv_cache_gb: float = option(1.0, "memory for the KV cache, GiB")
-    max_num_seqs: int = option(64, "most sequences running at once")
-    max_num_batched_tokens: int = option(512, "token budget of one step (chunked prefill)")
+    max_num_seqs: int = option(
+        64, "most sequences running at once", aliases=("--max-running-requests",)
+    )
+    max_num_batched_tokens: int = option(
+        512, "token budget of one step (chunked prefill)", aliases=("--chunked-prefill-size",)
+    )
     max_model_len: int | None = option(
-        None, "context limit (default: the model's, capped by the cache)"
+        None,
+        "context limit (default: the model's, capped by the cache)",
+        aliases=("--context-length",),
     )
     attention_backend: str = option("torch", "attention implementation")
 

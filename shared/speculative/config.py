@@ -30,6 +30,7 @@ class SpeculativeConfig:
         None,
         "draft LM (STANDALONE) or head (EAGLE, EAGLE3; unset on the default model: the "
         "head trained for it that ships with specmesh)",
+        aliases=("--speculative-draft-model",),
     )
     speculative_num_steps: int | None = option(None, "draft depth (unset: chosen automatically)")
     speculative_eagle_topk: int | None = option(None, "branching per draft step (1 = chain)")
