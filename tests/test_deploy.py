@@ -112,7 +112,7 @@ def _dashboard_metrics() -> set[str]:
     """Sample names in the dashboard's PromQL (histograms as _bucket/_sum/_count)."""
     dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "specmesh.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
-    return {m for e in exprs for m in re.findall(r"\bspecmesh_[a-z0-9_]+", e)}
+    return {m for e in exprs for m in re.findall(r"\b(?:specmesh_|sglang:)[a-z0-9_]+", e)}
 
 
 # docker-compose.yml
