@@ -35,6 +35,9 @@ def ngram_server(smollm_dir: Path) -> Iterator[str]:
 def test_models_and_health(server: str) -> None:
     data = httpx.get(f"{server}/v1/models").json()["data"]
     assert [m["id"] for m in data] == ["SmolLM2-135M-Instruct"]
+    assert data[0]["max_model_len"] > 0  # what the decode workers advertise
+    info = httpx.get(f"{server}/get_model_info").json()
+    assert info["is_generation"] and info["max_model_len"] == data[0]["max_model_len"]
 
 
 def test_greedy_chat_equals_transformers(server: str, smollm_dir: Path) -> None:

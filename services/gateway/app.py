@@ -143,8 +143,25 @@ def build_app(cluster: Cluster, cfg: GatewayConfig) -> FastAPI:
             )
         return {"model_path": cfg.model or DEFAULT_MODEL_NAME, "internal_states": [state]}
 
+    def max_model_len() -> int | None:
+        """The context limit the live decode workers advertise (None before any is up)."""
+        limits = [i.heartbeat.max_model_len for i in cluster.live("decode")]
+        return min((n for n in limits if n), default=None)
+
     def model_card() -> dict[str, Any]:
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "specmesh"}
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "specmesh"}
+        return {**card, "root": model_name, "max_model_len": max_model_len()}
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        """SGLang's model info endpoint."""
+        path = cfg.model or DEFAULT_MODEL_NAME
+        return {
+            "model_path": path,
+            "tokenizer_path": path,
+            "is_generation": True,
+            "max_model_len": max_model_len(),
+        }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
