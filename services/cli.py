@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from services.decode.service import DecodeConfig
+from services.decode.config import DecodeConfig
 from services.gateway.config import GatewayConfig
 from services.launcher import Configs, Launcher, UpConfig
 from services.prefill.config import PrefillConfig

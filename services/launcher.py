@@ -25,12 +25,12 @@ from urllib.parse import urlsplit
 
 from prometheus_client import start_http_server
 
-from services.decode.service import DecodeConfig
-from services.drafter.service import DrafterConfig
+from services.decode.config import DecodeConfig
+from services.drafter.config import DrafterConfig
 from services.gateway.config import GatewayConfig
 from services.prefill.config import PrefillConfig
 from services.supervision import Child, Server
-from services.tokenizer.service import TokenizerConfig
+from services.tokenizer.config import TokenizerConfig
 from shared.bus import Bus, NatsAuth
 from shared.config import SGLangFlags, dataclass_argv, dataclass_secrets, option
 from shared.engine.engine import EngineConfig

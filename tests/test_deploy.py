@@ -33,10 +33,10 @@ import redis
 import yaml
 from deployment import SERVICE_PASSWORDS, assert_least_privilege, chat, scrape, specmesh_up
 
-from services.decode.service import DecodeConfig
-from services.drafter.service import DrafterConfig
+from services.decode.config import DecodeConfig
+from services.drafter.config import DrafterConfig
 from services.gateway.config import GatewayConfig
-from services.tokenizer.service import TokenizerConfig
+from services.tokenizer.config import TokenizerConfig
 from shared.bus import Bus, NatsAuth
 from shared.config import env_name
 from shared.engine.engine import EngineConfig

@@ -1,4 +1,5 @@
-from services.decode.service import DecodeConfig, DecodeService
+from services.decode.config import DecodeConfig
+from services.decode.service import DecodeService
 from shared.engine.engine import EngineConfig
 from shared.service import service_main
 from shared.speculative.config import SpeculativeConfig

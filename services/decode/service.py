@@ -14,14 +14,14 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
 from pathlib import Path
 
 from opentelemetry import context as otel_context
 
+from services.decode.config import DecodeConfig
 from services.decode.drafter_client import DrafterClient
 from shared.bus import Outbox
-from shared.config import model_name_of, option
+from shared.config import model_name_of
 from shared.core.sequence import RemotePrefix, Sequence
 from shared.core.tree import DraftTree
 from shared.engine.async_engine import AsyncEngine
@@ -54,17 +54,6 @@ from shared.telemetry import (
     VERIFY_SECONDS,
 )
 from shared.transport import TransportConfig
-
-
-@dataclass
-class DecodeConfig:
-    overlap: bool = option(
-        False,
-        "keep two micro-batches in flight, one drafted while the other is verified: pays "
-        "when drafters have their own device and drafting costs about what verifying does; "
-        "on shared CPU cores it costs a forward pass per lane (benchmarks/bench_services.py)",
-    )
-    draft_timeout: float = option(5.0, "seconds to wait for a drafter's trees")
 
 
 class DecodeEngine(LLMEngine):

@@ -1,4 +1,5 @@
-from services.drafter.service import DrafterConfig, DrafterService
+from services.drafter.config import DrafterConfig
+from services.drafter.service import DrafterService
 from shared.service import service_main
 from shared.speculative.config import SpeculativeConfig
 

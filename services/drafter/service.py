@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from shared.config import model_option, option, resolve_device, resolve_dtype
+from services.drafter.config import DrafterConfig
+from shared.config import resolve_device, resolve_dtype
 from shared.model.fetch import resolve_model
 from shared.model.loader import load_model
 from shared.protocol import (
@@ -39,13 +39,6 @@ from shared.speculative.factory import make_drafter
 from shared.telemetry import ACTIVE_REQUESTS, DRAFT_SECONDS
 
 T = TypeVar("T")
-
-
-@dataclass
-class DrafterConfig:
-    model: str | None = model_option()  # the target: EAGLE heads use its embeddings and head
-    device: str | None = option(None, "cpu, cuda, cuda:N (default: cuda when available)")
-    dtype: str | None = option(None, "float32, bfloat16, float16 (default: fp32 CPU, bf16 GPU)")
 
 
 class DrafterService(Service):

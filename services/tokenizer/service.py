@@ -12,8 +12,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.tokenizer.config import TokenizerConfig
 from shared.bus import Outbox
-from shared.config import model_option
 from shared.model.fetch import resolve_model
 from shared.parsers.tools import ToolParser, make_tool_parser
 from shared.protocol import (
@@ -35,11 +35,6 @@ from shared.protocol import (
 from shared.service import Service, ServiceConfig
 from shared.telemetry import ACTIVE_REQUESTS
 from shared.tokenizer import TextStream, Tokenizer
-
-
-@dataclass
-class TokenizerConfig:
-    model: str | None = model_option()
 
 
 @dataclass

@@ -1,0 +1,19 @@
+"""The decode service's own options (besides the engine's, speculation's and the KV
+transport's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.config import option
+
+
+@dataclass
+class DecodeConfig:
+    overlap: bool = option(
+        False,
+        "keep two micro-batches in flight, one drafted while the other is verified: pays "
+        "when drafters have their own device and drafting costs about what verifying does; "
+        "on shared CPU cores it costs a forward pass per lane (benchmarks/bench_services.py)",
+    )
+    draft_timeout: float = option(5.0, "seconds to wait for a drafter's trees")
