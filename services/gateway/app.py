@@ -1,47 +1,35 @@
 """The gateway's FastAPI app: the OpenAI API over the services (see cluster.py).
 
-Every error leaves as OpenAI error JSON (see errors.py). A request becomes one
-sequence per choice and prompt; a client that goes away, streaming or not,
+Here: the middleware (API key, body limit), OpenAI error JSON for every error (see
+errors.py), and the small routes (health, metrics, models, server and model info). The
+generation routes live beside their request logic, in chat.py and completions.py; what
+they share (starting a request, collected and SSE responses) in respond.py. A request
+becomes one sequence per choice and prompt; a client that goes away, streaming or not,
 aborts its sequences in every service.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import hmac
-import json
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from opentelemetry import trace
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.gateway.chat import ChatChoice, ChatPlan, merge_message
-from services.gateway.cluster import Cluster, Generation, Overloaded, Placement, Unavailable
-from services.gateway.completions import CompletionChoice, merge_logprobs, tokenize_request
+from services.gateway.chat import chat_routes
+from services.gateway.cluster import Cluster
+from services.gateway.completions import completion_routes
 from services.gateway.config import GatewayConfig
-from services.gateway.errors import APIError, error_body, error_response
-from services.gateway.schema import ChatCompletionRequest, CompletionRequest, GenerationRequest
-from shared.bus import BusError
+from services.gateway.errors import APIError, error_response
+from services.gateway.respond import acceptance_length
 from shared.config import DEFAULT_MODEL_NAME
 from shared.parsers.reasoning import make_reasoning_parser
 from shared.parsers.tools import make_tool_parser
-from shared.protocol import ProtocolError, RemoteError, TextDelta
-from shared.sampling.params import SamplingParams
-
-tracer = trace.get_tracer("specmesh.gateway")
-
-DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
-SEED_RANGE = 2**63  # per-choice seeds stay in int64
-
 
 # Probes and scrapers reach these without the API key; nothing else.
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -134,7 +122,7 @@ def build_app(cluster: Cluster, cfg: GatewayConfig) -> FastAPI:
         if algorithms:
             state.update(
                 speculative_algorithm=",".join(sorted(algorithms)),
-                avg_spec_accept_length=_acceptance_length(
+                avg_spec_accept_length=acceptance_length(
                     stats.spec_steps, stats.spec_accepted_tokens
                 ),
                 spec_verify_steps=stats.spec_steps,
@@ -173,290 +161,6 @@ def build_app(cluster: Cluster, cfg: GatewayConfig) -> FastAPI:
             raise APIError(404, f"model {model_id!r} not found", "model")
         return model_card()
 
-    async def start(
-        route: str, req: GenerationRequest, request_id: str, prompts: list[list[Any]]
-    ) -> Generation:
-        """Start the request's sequences, errors turned into API errors."""
-        if req.model not in (None, "", model_name):
-            raise APIError(404, f"model {req.model!r} not found", "model")
-        try:
-            # The request's trace: every service's spans for it hang below this one.
-            attributes = {"specmesh.request_id": request_id}
-            with tracer.start_as_current_span(f"POST {route}", attributes=attributes) as span:
-                generation = await cluster.generate(prompts)
-                placement = next(iter(generation.placements.values()))
-                span.set_attribute("specmesh.decode", placement.decode_id)
-                span.set_attribute("specmesh.drafter", placement.drafter_id or "")
-        except RemoteError as exc:
-            raise APIError(exc.status, str(exc)) from exc
-        except ProtocolError as exc:  # a value no message can carry
-            raise APIError(400, str(exc)) from exc
-        except Overloaded as exc:
-            raise APIError(429, str(exc)) from exc
-        except (Unavailable, BusError) as exc:
-            raise APIError(503, str(exc)) from exc
-        return generation
-
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat(req: ChatCompletionRequest, request: Request) -> Response:
-        plan = ChatPlan(req, tool_parser, reasoning)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        max_tokens = req.max_completion_tokens or req.max_tokens or 0
-        params = req.sampling_params(max_tokens, logprobs)
-        stop = req.stop_strings()
-        choices = [
-            (plan.tokenize_request(f"{request_id}-{i}", stop), _choice_params(params, i))
-            for i in range(req.n)
-        ]
-        generation = await start("/v1/chat/completions", req, request_id, [choices])
-        outputs = {t.request_id: plan.choice(i) for i, (t, _) in enumerate(choices)}
-        head = {"id": request_id, "created": int(time.time()), "model": model_name}
-        headers = {"x-request-id": request_id}
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = _chat_stream(generation, outputs, head, req.logprobs, include_usage)
-            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-
-        async def collect() -> dict[str, Any]:
-            messages: dict[str, list[dict[str, Any]]] = {rid: [] for rid in outputs}
-            logprob_entries: dict[str, list[dict[str, Any]]] = {rid: [] for rid in outputs}
-            async for delta in generation.deltas():
-                _raise_if_failed(delta.finish_reason, delta.error)
-                messages[delta.request_id].append(outputs[delta.request_id].feed(delta))
-                logprob_entries[delta.request_id] += delta.logprobs or []
-            return {
-                **head,
-                "object": "chat.completion",
-                "choices": [
-                    {
-                        "index": choice.index,
-                        "message": merge_message(messages[rid]),
-                        "logprobs": {"content": logprob_entries[rid]} if req.logprobs else None,
-                        "finish_reason": choice.finish_reason,
-                    }
-                    for rid, choice in outputs.items()
-                ],
-                "usage": _usage(generation, outputs.values()),
-                **_spec_metrics(outputs.values()),
-            }
-
-        return await _respond(request, generation, collect, headers)
-
-    @app.post("/v1/completions", response_model=None)
-    async def completions(req: CompletionRequest, request: Request) -> Response:
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        params = req.sampling_params(req.max_tokens or DEFAULT_COMPLETION_TOKENS, req.logprobs)
-        stop = req.stop_strings()
-        prompts = [
-            [
-                (
-                    tokenize_request(prompt, f"{request_id}-{p * req.n + i}", stop),
-                    _choice_params(params, i),
-                )
-                for i in range(req.n)
-            ]
-            for p, prompt in enumerate(req.prompts())
-        ]
-        generation = await start("/v1/completions", req, request_id, prompts)
-        outputs = {
-            t.request_id: CompletionChoice(
-                p * req.n + i, req, generation.placements[t.request_id].prompt_text
-            )
-            for p, choices in enumerate(prompts)
-            for i, (t, _) in enumerate(choices)
-        }
-        head = {"id": request_id, "created": int(time.time()), "model": model_name}
-        headers = {"x-request-id": request_id}
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = _completion_stream(generation, outputs, head, include_usage)
-            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-
-        async def collect() -> dict[str, Any]:
-            texts: dict[str, list[str]] = {rid: [] for rid in outputs}
-            logprobs: dict[str, list[Any]] = {rid: [] for rid in outputs}
-            async for delta in generation.deltas():
-                _raise_if_failed(delta.finish_reason, delta.error)
-                text, entry = outputs[delta.request_id].feed(delta)
-                texts[delta.request_id].append(text)
-                logprobs[delta.request_id].append(entry)
-            choices = sorted(
-                (
-                    {
-                        "index": choice.index,
-                        "text": "".join(texts[rid]),
-                        "logprobs": merge_logprobs(logprobs[rid]),
-                        "finish_reason": choice.finish_reason,
-                    }
-                    for rid, choice in outputs.items()
-                ),
-                key=lambda c: c["index"],
-            )
-            return {
-                **head,
-                "object": "text_completion",
-                "choices": choices,
-                "usage": _usage(generation, outputs.values()),
-                **_spec_metrics(outputs.values()),
-            }
-
-        return await _respond(request, generation, collect, headers)
-
+    app.include_router(chat_routes(cluster, model_name, tool_parser, reasoning))
+    app.include_router(completion_routes(cluster, model_name))
     return app
-
-
-def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Seeded choices differ from each other but repeat across identical requests."""
-    if params.seed is None or index == 0:
-        return params
-    seed = (params.seed + index + SEED_RANGE) % (2 * SEED_RANGE) - SEED_RANGE
-    return dataclasses.replace(params, seed=seed)
-
-
-def _raise_if_failed(finish_reason: str | None, error: str | None) -> None:
-    if finish_reason == "error":
-        raise APIError(500, error or "generation failed")
-
-
-async def _respond(
-    request: Request,
-    generation: Generation,
-    collect: Callable[[], Coroutine[Any, Any, dict[str, Any]]],
-    headers: dict[str, str],
-) -> Response:
-    """The collected response, unless the client leaves first (then abort the work)."""
-    task = asyncio.create_task(collect())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return JSONResponse(task.result(), headers=headers)
-            if await request.is_disconnected():
-                return Response(status_code=499)  # nobody reads it
-    finally:
-        task.cancel()
-        generation.close()
-
-
-def _usage(generation: Generation, choices: Any) -> dict[str, Any]:
-    """Each prompt counts once, however many choices it has."""
-    prompts: dict[tuple[int, ...], Placement] = {}
-    for placement in generation.placements.values():
-        prompts.setdefault(tuple(placement.prompt_ids), placement)
-    prompt_tokens = sum(len(p.prompt_ids) for p in prompts.values())
-    cached = sum(len(p.prompt_ids) - p.num_computed_tokens for p in prompts.values())
-    completion_tokens = sum(c.completion_tokens for c in choices)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-
-
-def _acceptance_length(steps: int, accepted: int) -> float:
-    """Tokens per verify step: the accepted drafts plus the target's own token."""
-    return 1 + accepted / steps if steps else 0.0
-
-
-def _spec_metrics(choices: Any) -> dict[str, Any]:
-    """Speculation over the request's choices, under the names aiperf reads."""
-    specs = [c.spec for c in choices if c.spec]
-    if not specs:
-        return {}
-    totals = {key: sum(s[key] for s in specs) for key in specs[0]}
-    steps, drafted, accepted = totals["steps"], totals["draft_tokens"], totals["accepted_tokens"]
-    return {
-        "metrics": {
-            "speculative_decoding": {
-                "num_spec_steps": steps,
-                "num_draft_tokens": drafted,
-                "num_accepted_draft_tokens": accepted,
-                "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
-                "mean_acceptance_length": _acceptance_length(steps, accepted),
-            }
-        }
-    }
-
-
-def _sse(body: dict[str, Any] | str) -> str:
-    return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
-
-
-async def _events(
-    generation: Generation,
-    entry_for: Callable[[TextDelta], dict[str, Any] | None],
-    head: dict[str, Any],
-    choices: Any,
-    include_usage: bool,
-) -> AsyncIterator[str]:
-    """SSE framing shared by chat and completions (`head["object"]` names the chunks): a
-    chunk per delta that has something to say, a failure as an error event, the usage
-    chunk when asked, one [DONE]; aborts if the client leaves."""
-    try:
-        async for delta in generation.deltas():
-            if delta.finish_reason == "error":
-                yield _sse(error_body(500, delta.error or "generation failed"))
-                break
-            if (entry := entry_for(delta)) is not None:
-                yield _sse({**head, "choices": [entry]})
-        if include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(generation, choices)})
-        yield _sse("[DONE]")
-    finally:
-        generation.close()
-
-
-def _chat_stream(
-    generation: Generation,
-    outputs: dict[str, ChatChoice],
-    head: dict[str, Any],
-    want_logprobs: bool,
-    include_usage: bool,
-) -> AsyncIterator[str]:
-    started: set[str] = set()
-
-    def entry_for(delta: TextDelta) -> dict[str, Any] | None:
-        choice = outputs[delta.request_id]
-        message = choice.feed(delta)
-        finished = choice.finish_reason is not None
-        if not message and not finished and not (want_logprobs and delta.logprobs):
-            return None
-        if delta.request_id not in started:  # the role rides on the first real chunk
-            started.add(delta.request_id)
-            message = {"role": "assistant", **message}
-        entry: dict[str, Any] = {
-            "index": choice.index,
-            "delta": message,
-            "finish_reason": choice.finish_reason if finished else None,
-        }
-        if want_logprobs:
-            entry["logprobs"] = {"content": delta.logprobs or []}
-        return entry
-
-    head = {**head, "object": "chat.completion.chunk"}
-    return _events(generation, entry_for, head, outputs.values(), include_usage)
-
-
-def _completion_stream(
-    generation: Generation,
-    outputs: dict[str, CompletionChoice],
-    head: dict[str, Any],
-    include_usage: bool,
-) -> AsyncIterator[str]:
-    def entry_for(delta: TextDelta) -> dict[str, Any] | None:
-        choice = outputs[delta.request_id]
-        text, logprobs = choice.feed(delta)
-        finished = choice.finish_reason is not None
-        if not text and not finished and not logprobs:
-            return None
-        return {
-            "index": choice.index,
-            "text": text,
-            "logprobs": logprobs,
-            "finish_reason": choice.finish_reason if finished else None,
-        }
-
-    head = {**head, "object": "text_completion"}
-    return _events(generation, entry_for, head, outputs.values(), include_usage)

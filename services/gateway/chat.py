@@ -7,9 +7,25 @@ from the same per-delta processing, so their text is the same.
 
 from __future__ import annotations
 
+import time
+import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+
+from services.gateway.cluster import Cluster, Generation
 from services.gateway.errors import APIError
+from services.gateway.respond import (
+    choice_params,
+    events,
+    raise_if_failed,
+    respond,
+    spec_metrics,
+    start,
+    usage,
+)
 from services.gateway.schema import ChatCompletionRequest, NamedToolChoice
 from shared.parsers.reasoning import ReasoningParser
 from shared.parsers.tools import ToolCall, ToolParser
@@ -134,3 +150,94 @@ def merge_message(deltas: list[dict[str, Any]]) -> dict[str, Any]:
     if calls:
         message["tool_calls"] = calls
     return message
+
+
+def chat_routes(
+    cluster: Cluster,
+    model_name: str,
+    tool_parser: ToolParser | None,
+    reasoning: ReasoningParser | None,
+) -> APIRouter:
+    """POST /v1/chat/completions over `cluster`."""
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions", response_model=None)
+    async def chat(req: ChatCompletionRequest, request: Request) -> Response:
+        plan = ChatPlan(req, tool_parser, reasoning)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens or req.max_tokens or 0
+        params = req.sampling_params(max_tokens, logprobs)
+        stop = req.stop_strings()
+        choices = [
+            (plan.tokenize_request(f"{request_id}-{i}", stop), choice_params(params, i))
+            for i in range(req.n)
+        ]
+        generation = await start(
+            cluster, model_name, "/v1/chat/completions", req, request_id, [choices]
+        )
+        outputs = {t.request_id: plan.choice(i) for i, (t, _) in enumerate(choices)}
+        head = {"id": request_id, "created": int(time.time()), "model": model_name}
+        headers = {"x-request-id": request_id}
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            body = _chat_stream(generation, outputs, head, req.logprobs, include_usage)
+            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+
+        async def collect() -> dict[str, Any]:
+            messages: dict[str, list[dict[str, Any]]] = {rid: [] for rid in outputs}
+            logprob_entries: dict[str, list[dict[str, Any]]] = {rid: [] for rid in outputs}
+            async for delta in generation.deltas():
+                raise_if_failed(delta.finish_reason, delta.error)
+                messages[delta.request_id].append(outputs[delta.request_id].feed(delta))
+                logprob_entries[delta.request_id] += delta.logprobs or []
+            return {
+                **head,
+                "object": "chat.completion",
+                "choices": [
+                    {
+                        "index": choice.index,
+                        "message": merge_message(messages[rid]),
+                        "logprobs": {"content": logprob_entries[rid]} if req.logprobs else None,
+                        "finish_reason": choice.finish_reason,
+                    }
+                    for rid, choice in outputs.items()
+                ],
+                "usage": usage(generation, outputs.values()),
+                **spec_metrics(outputs.values()),
+            }
+
+        return await respond(request, generation, collect, headers)
+
+    return router
+
+
+def _chat_stream(
+    generation: Generation,
+    outputs: dict[str, ChatChoice],
+    head: dict[str, Any],
+    want_logprobs: bool,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    started: set[str] = set()
+
+    def entry_for(delta: TextDelta) -> dict[str, Any] | None:
+        choice = outputs[delta.request_id]
+        message = choice.feed(delta)
+        finished = choice.finish_reason is not None
+        if not message and not finished and not (want_logprobs and delta.logprobs):
+            return None
+        if delta.request_id not in started:  # the role rides on the first real chunk
+            started.add(delta.request_id)
+            message = {"role": "assistant", **message}
+        entry: dict[str, Any] = {
+            "index": choice.index,
+            "delta": message,
+            "finish_reason": choice.finish_reason if finished else None,
+        }
+        if want_logprobs:
+            entry["logprobs"] = {"content": delta.logprobs or []}
+        return entry
+
+    head = {**head, "object": "chat.completion.chunk"}
+    return events(generation, entry_for, head, outputs.values(), include_usage)

@@ -24,13 +24,13 @@ def _weights(layer: nn.Module) -> list[torch.Tensor]:
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     none = torch.empty(0)
     qkv, o, gate_up, down = ((m.packed, none if m.bias is None else m.bias) for m in linears)
-    return [layer.input_layernorm.weight, *qkv, *o, layer.post_attention_layernorm.weight] + [
-        *gate_up,
-        *down,
-    ]
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    return [norms[0], *qkv, *o, norms[1], *gate_up, *down]
 
 
 class FusedDecoder:
+    """A model's layers and KV caches held by the C++ decoder, which reads them in place."""
+
     def __init__(
         self, kernel: object, model: LlamaForCausalLM, kv_layers: list[tuple[torch.Tensor, ...]]
     ) -> None:
