@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
 
@@ -22,8 +21,7 @@ from services.decode.config import DecodeConfig
 from services.decode.drafter_client import DrafterClient
 from shared.bus import Outbox
 from shared.config import model_name_of
-from shared.core.sequence import RemotePrefix, Sequence
-from shared.core.tree import DraftTree
+from shared.core.sequence import RemotePrefix
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import EngineConfig, FirstToken, LLMEngine, TokenOutput
 from shared.kvcache.exchange import KVExchange, model_fingerprint
@@ -56,18 +54,6 @@ from shared.telemetry import (
 from shared.transport import TransportConfig
 
 
-class DecodeEngine(LLMEngine):
-    """The engine, timing each forward step for /metrics."""
-
-    def _run(
-        self, batch: list[tuple[Sequence, int]], trees: dict[Sequence, DraftTree]
-    ) -> list[TokenOutput]:
-        start = time.perf_counter()
-        outputs = super()._run(batch, trees)
-        VERIFY_SECONDS.observe(time.perf_counter() - start)
-        return outputs
-
-
 class DecodeService(EngineService):
     kind = "decode"
     holds_requests = True
@@ -93,7 +79,8 @@ class DecodeService(EngineService):
             self.client = DrafterClient(
                 drafter_target_features(self.spec, ecfg.model), mcfg.vocab_size, dcfg.draft_timeout
             )
-        self.engine = DecodeEngine(ecfg, self.spec, self.client, dcfg.overlap)
+        self.engine = LLMEngine(ecfg, self.spec, self.client, dcfg.overlap)
+        self.engine.step_listeners.append(VERIFY_SECONDS.observe)
         fingerprint = model_fingerprint(self.engine.model, ecfg.block_size)
         self.engine.kv_exchange = KVExchange(
             self.engine.kv_cache, self.transport, fingerprint, tcfg.kv_ttl, self.kind

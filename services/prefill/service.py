@@ -20,7 +20,6 @@ from shared.config import model_name_of
 from shared.core.sequence import RemotePrefix, Sequence
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import EngineConfig, LLMEngine
-from shared.engine.speculation import SpecStats
 from shared.kvcache.exchange import KVExchange, feature_tag, model_fingerprint
 from shared.model.fetch import resolve_model
 from shared.protocol import (
@@ -66,6 +65,7 @@ class PrefillEngine(LLMEngine):
         # request id -> (first position computed here, feature rows from there)
         self.features: dict[str, tuple[int, list[torch.Tensor]]] = {}
         self.feature_listeners.append(self._keep_features)
+        self.finish_listeners.append(self._hand_over)
 
     def _keep_features(self, seq: Sequence, rows: torch.Tensor, start: int) -> None:
         first, kept = self.features.get(seq.request_id, (start, []))
@@ -80,7 +80,8 @@ class PrefillEngine(LLMEngine):
         if rows and start % bs == 0:  # prefix reuse is whole blocks
             self.kv_exchange.export_features(keys, self.feature_tag, torch.cat(rows), start // bs)
 
-    def _finish(self, seq: Sequence) -> SpecStats | None:
+    def _hand_over(self, seq: Sequence) -> None:
+        """A finishing prompt's K/V (and features) to the transport, its keys to the service."""
         if seq.num_computed_tokens >= seq.num_prompt_tokens:
             keys = self.kv_exchange.keys(seq.prompt_ids)
             try:
@@ -90,7 +91,6 @@ class PrefillEngine(LLMEngine):
                 log.exception("cannot store %s's K/V", seq.request_id)
                 self.handoff[seq.request_id] = RemoteError(f"KV transport failed: {exc}", 503)
         self.features.pop(seq.request_id, None)
-        return super()._finish(seq)
 
 
 class PrefillService(EngineService):

@@ -125,6 +125,10 @@ class LLMEngine:
         # row's position) once `runner.feature_layers` is set: the EAGLE speculator, prefill's
         # hand-over to decode, training-data capture.
         self.feature_listeners: list[Callable[[Sequence, torch.Tensor, int], None]] = []
+        # Called with each step's seconds (a service's step-time metric).
+        self.step_listeners: list[Callable[[float], None]] = []
+        # Called with a sequence about to finish, its blocks still held (prefill's hand-over).
+        self.finish_listeners: list[Callable[[Sequence], None]] = []
         if spec is not None and spec.enabled:
             spec = spec.resolved(cfg.model)
             drafter = drafter or make_drafter(spec, self.model)
@@ -336,7 +340,10 @@ class LLMEngine:
         for seq, logits in result.tree_logits.items():
             tokens = self.speculator.verify(seq, trees[seq], logits, result.features.get(seq))
             outputs += self._emit(seq, tokens)
-        self.stats.step_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.stats.step_seconds += seconds
+        for listener in self.step_listeners:
+            listener(seconds)
         self.stats.generated_tokens += len(outputs)
         return outputs
 
@@ -369,6 +376,8 @@ class LLMEngine:
         return outputs
 
     def _finish(self, seq: Sequence) -> SpecStats | None:
+        for listener in self.finish_listeners:
+            listener(seq)
         self.sequences.pop(seq.request_id, None)
         self.scheduler.remove(seq)
         return self.speculator.close(seq) if self.speculator else None
