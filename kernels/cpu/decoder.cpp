@@ -61,12 +61,13 @@ void rms_norm(const float* x, const float* weight, float eps, int64_t rows, int6
 }
 
 // x * cos + roll(x, half) * sin per head; sin is negated in its first half (rope.py).
-void rope(float* heads, int64_t count, int64_t dim, const float* cos, const float* sin) {
-  std::vector<float> tmp(dim);
+// tmp: scratch of `dim` floats.
+void rope(float* heads, int64_t count, int64_t dim, const float* cos, const float* sin,
+          float* tmp) {
   int64_t half = dim / 2;
   for (int64_t h = 0; h < count; ++h) {
     float* x = heads + h * dim;
-    std::copy(x, x + dim, tmp.begin());
+    std::copy(x, x + dim, tmp);
     for (int64_t i = 0; i < dim; ++i) x[i] = tmp[i] * cos[i] + tmp[(i + half) % dim] * sin[i];
   }
 }
@@ -118,6 +119,10 @@ class Decoder {
     Tensor h = torch::zeros({padded, hidden_}, opts);
     h.narrow(0, 0, rows).copy_(x);
     Tensor normed = torch::zeros({padded, hidden_}, opts), attn = torch::zeros({padded, q_size}, opts);
+    const int64_t inter = layers_.at(0).down.size(1);
+    Tensor act = torch::zeros({padded, inter}, opts);
+    float* ap = act.data_ptr<float>();
+    std::vector<float> rope_tmp(dim_);
     const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
     const int64_t* slot_of_row = slot_mapping.data_ptr<int64_t>();
     Spans s{spans.data_ptr<int64_t>(), spans.size(0), slots.data_ptr<int64_t>(),
@@ -133,7 +138,7 @@ class Decoder {
       float* vc = l.v_cache.data_ptr<float>();
       for (int64_t r = 0; r < rows; ++r) {
         float* row = qp + r * qkv_size;
-        rope(row, heads_ + kv_heads_, dim_, cp + r * dim_, sp + r * dim_);
+        rope(row, heads_ + kv_heads_, dim_, cp + r * dim_, sp + r * dim_, rope_tmp.data());
         std::copy(row + q_size, row + q_size + kv_size, kc + slot_of_row[r] * kv_size);
         std::copy(row + q_size + kv_size, row + qkv_size, vc + slot_of_row[r] * kv_size);
       }
@@ -142,10 +147,7 @@ class Decoder {
       rms_norm(h.data_ptr<float>(), l.post_norm.data_ptr<float>(), eps_, rows, hidden_,
                normed.data_ptr<float>());
       Tensor gate_up = packed_linear(normed, l.gate_up, l.gate_up_bias, nullptr);
-      const int64_t inter = gate_up.size(1) / 2;
-      Tensor act = torch::zeros({padded, inter}, opts);
       const float* gp = gate_up.data_ptr<float>();
-      float* ap = act.data_ptr<float>();
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < inter; ++j)
           ap[r * inter + j] = silu(gp[r * 2 * inter + j]) * gp[r * 2 * inter + inter + j];

@@ -24,6 +24,7 @@ from shared.config import model_name_of
 from shared.core.sequence import RemotePrefix
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import EngineConfig, FirstToken, LLMEngine, TokenOutput
+from shared.engine.speculation import SpecStats
 from shared.kvcache.exchange import KVExchange, model_fingerprint
 from shared.model.config import ModelConfig
 from shared.model.fetch import resolve_model
@@ -88,8 +89,7 @@ class DecodeService(EngineService):
         self.driver = AsyncEngine(self.engine, own_thread=False)
         self.model_name = model_name_of(ecfg.model)
         self._draft_wait_reported = 0.0
-        # (verify steps, accepted drafts): all time, and at the last heartbeat
-        self._spec_counts = self._spec_reported = (0, 0)
+        self._spec_reported = SpecStats()  # the engine's totals at the last heartbeat
 
     async def start(self) -> None:
         if self.client is not None:
@@ -115,11 +115,12 @@ class DecodeService(EngineService):
         waited = engine.stats.draft_wait_seconds
         DRAFT_WAIT_SECONDS.inc(waited - self._draft_wait_reported)
         self._draft_wait_reported = waited
-        (steps, accepted), (steps_then, accepted_then) = self._spec_counts, self._spec_reported
-        if steps > steps_then:  # tokens per verify step since the last heartbeat
-            length = 1 + (accepted - accepted_then) / (steps - steps_then)
-            SPEC_ACCEPT_LENGTH.labels(self.model_name).set(length)
-        self._spec_reported = self._spec_counts
+        if engine.speculator is not None:  # tokens per verify step since the last heartbeat
+            totals = engine.speculator.stats
+            since = totals.since(self._spec_reported)
+            if since.steps:
+                SPEC_ACCEPT_LENGTH.labels(self.model_name).set(since.acceptance_length)
+            self._spec_reported = dataclasses.replace(totals)
         return Heartbeat(
             kind=self.kind,
             instance_id=self.instance_id,
@@ -200,8 +201,6 @@ class DecodeService(EngineService):
         SPEC_VERIFY_STEPS.labels(algorithm).inc(spec["steps"])
         SPEC_DRAFT_TOKENS.labels(algorithm).inc(spec["draft_tokens"])
         SPEC_ACCEPTED_TOKENS.labels(algorithm).inc(spec["accepted_tokens"])
-        steps, accepted = self._spec_counts
-        self._spec_counts = (steps + spec["steps"], accepted + spec["accepted_tokens"])
         if spec["steps"]:
             SPEC_ACCEPTANCE_LENGTH.labels(algorithm).observe(
                 1 + spec["accepted_tokens"] / spec["steps"]

@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import StreamingResponse
 
 from services.gateway.cluster import Cluster, Generation
 from services.gateway.errors import APIError
@@ -178,11 +177,9 @@ def chat_routes(
         )
         outputs = {t.request_id: plan.choice(i) for i, (t, _) in enumerate(choices)}
         head = {"id": request_id, "created": int(time.time()), "model": model_name}
-        headers = {"x-request-id": request_id}
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = _chat_stream(generation, outputs, head, req.logprobs, include_usage)
-            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+
+        def stream(include_usage: bool) -> AsyncIterator[str]:
+            return _chat_stream(generation, outputs, head, req.logprobs, include_usage)
 
         async def collect() -> dict[str, Any]:
             messages: dict[str, list[dict[str, Any]]] = {rid: [] for rid in outputs}
@@ -207,7 +204,7 @@ def chat_routes(
                 **spec_metrics(outputs.values()),
             }
 
-        return await respond(request, generation, collect, headers)
+        return await respond(request, req, generation, stream, collect, request_id)
 
     return router
 

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import StreamingResponse
 
 from services.gateway.cluster import Cluster, Generation
 from services.gateway.respond import (
@@ -104,11 +103,9 @@ def completion_routes(cluster: Cluster, model_name: str) -> APIRouter:
             for i, (t, _) in enumerate(choices)
         }
         head = {"id": request_id, "created": int(time.time()), "model": model_name}
-        headers = {"x-request-id": request_id}
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = _completion_stream(generation, outputs, head, include_usage)
-            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+
+        def stream(include_usage: bool) -> AsyncIterator[str]:
+            return _completion_stream(generation, outputs, head, include_usage)
 
         async def collect() -> dict[str, Any]:
             texts: dict[str, list[str]] = {rid: [] for rid in outputs}
@@ -138,7 +135,7 @@ def completion_routes(cluster: Cluster, model_name: str) -> APIRouter:
                 **spec_metrics(outputs.values()),
             }
 
-        return await respond(request, generation, collect, headers)
+        return await respond(request, req, generation, stream, collect, request_id)
 
     return router
 

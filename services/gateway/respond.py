@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import trace
 
 from services.gateway.cluster import Cluster, Generation, Overloaded, Placement, Unavailable
@@ -71,11 +71,19 @@ def raise_if_failed(finish_reason: str | None, error: str | None) -> None:
 
 async def respond(
     request: Request,
+    req: GenerationRequest,
     generation: Generation,
+    stream: Callable[[bool], AsyncIterator[str]],
     collect: Callable[[], Coroutine[Any, Any, dict[str, Any]]],
-    headers: dict[str, str],
+    request_id: str,
 ) -> Response:
-    """The collected response, unless the client leaves first (then abort the work)."""
+    """SSE when the request streams (`stream(include_usage)`), else the collected JSON,
+    unless the client leaves first (then abort the work); `x-request-id` either way."""
+    headers = {"x-request-id": request_id}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        body = stream(include_usage)
+        return StreamingResponse(body, media_type="text/event-stream", headers=headers)
     task = asyncio.create_task(collect())
     try:
         while True:

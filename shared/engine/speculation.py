@@ -44,6 +44,14 @@ class SpecStats:
         self.draft_tokens += drafts
         self.accepted_tokens += accepted
 
+    def since(self, earlier: SpecStats) -> SpecStats:
+        """What these running totals gained after `earlier`, a copy of them."""
+        return SpecStats(
+            self.steps - earlier.steps,
+            self.draft_tokens - earlier.draft_tokens,
+            self.accepted_tokens - earlier.accepted_tokens,
+        )
+
 
 log = logging.getLogger(__name__)
 

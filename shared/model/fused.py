@@ -99,7 +99,7 @@ class FusedDecoder:
             torch.cat(new_slots),
             torch.tensor(table, dtype=torch.long),
             torch.cat(slots),
-            torch.cat(masks).cpu() if masks else torch.empty(0, dtype=torch.bool),
+            torch.cat(masks) if masks else torch.empty(0, dtype=torch.bool),
             list(aux_layers),
         )
         return out[0], out[1:]
