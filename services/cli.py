@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
@@ -14,6 +13,7 @@ from services.prefill.config import PrefillConfig
 from shared.bus import NatsAuth
 from shared.config import SGLangFlags, add_dataclass_args, dataclass_from_args
 from shared.engine.engine import EngineConfig
+from shared.logs import LogConfig, configure_logging
 from shared.speculative.config import SpeculativeConfig
 from shared.transport import TransportConfig
 
@@ -35,9 +35,6 @@ def _up(args: argparse.Namespace) -> None:
     from shared.speculative.factory import drafter_target_features
 
     configs = Configs(**{name: dataclass_from_args(cls, args) for name, cls in _UP_CONFIGS.items()})
-    level = configs.sglang.log_level.upper()
-    logging.getLogger().setLevel(level)
-    os.environ["SPECMESH_LOG_LEVEL"] = level  # every service reads it (service_main)
     configs.engine.model = str(resolve_model(configs.engine.model))  # fetch once, not per service
     if configs.spec.enabled:  # a bad combination or draft head fails before anything starts
         spec = configs.spec.resolved(configs.engine.model)
@@ -82,9 +79,13 @@ def main(argv: list[str] | None = None) -> None:
     add_dataclass_args(train, TrainDraftConfig)
     train.set_defaults(run=_train_draft)
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    for command in (up, fetch, train):
+        add_dataclass_args(command, LogConfig)
     args = parser.parse_args(argv)
     try:
+        logs = dataclass_from_args(LogConfig, args)
+        configure_logging("specmesh", logs.log_level, logs.log_format)
+        os.environ.update(logs.environ())  # the services `up` starts log alike (service_main)
         args.run(args)
     except (ValueError, ConnectionError) as exc:  # bad options, unreachable servers: no traceback
         parser.exit(2, f"specmesh {args.command}: error: {exc}\n")

@@ -67,7 +67,7 @@ class Configs:
     decode: DecodeConfig
     prefill: PrefillConfig
     nats: NatsAuth
-    sglang: SGLangFlags  # `specmesh up` only: its log level reaches the services by env
+    sglang: SGLangFlags  # accepted for SGLang's launch commands; nothing here reads them
     tokenizer: TokenizerConfig = field(init=False)
     drafter: DrafterConfig = field(init=False)
     # NATS credentials of one kind of service (or the launcher), where each has its own
@@ -163,18 +163,19 @@ class Launcher:
             await asyncio.sleep(0.2)
         await bus.close()  # heartbeats were only needed to see everyone start
         gateway = self.configs.gateway
-        print(f"specmesh is up: http://{gateway.host}:{gateway.port}/v1", flush=True)
+        lines = [f"specmesh is up: http://{gateway.host}:{gateway.port}/v1"]
         for server in self.servers:
-            print(f"  {server.name:<12} pid {server.server.proc.pid}  {server.server.url}")
+            lines.append(f"  {server.name:<12} pid {server.server.proc.pid}  {server.server.url}")
         for instance in sorted(self.children):
-            metrics = seen.get(instance)
-            print(f"  {instance:<12} pid {self.children[instance].proc.pid}  {metrics or ''}")
+            metrics = seen.get(instance) or ""
+            lines.append(f"  {instance:<12} pid {self.children[instance].proc.pid}  {metrics}")
         if up.metrics:  # restarts are counted here
             server, _ = start_http_server(0, addr="127.0.0.1")
-            print(
-                f"  {'specmesh-up':<12} pid {os.getpid()}  "
-                f"http://127.0.0.1:{server.server_port}/metrics"
-            )
+            url = f"http://127.0.0.1:{server.server_port}/metrics"
+            lines.append(f"  {'specmesh-up':<12} pid {os.getpid()}  {url}")
+        # One write: the services' log lines may share this output, and must not land
+        # inside a line that scripts read.
+        sys.stdout.write("\n".join(lines) + "\n")
         sys.stdout.flush()
         while not stop.is_set():
             now = time.monotonic()

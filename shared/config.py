@@ -95,7 +95,6 @@ class SGLangFlags:
     """SGLang options without a counterpart here, accepted so that an SGLang launch command
     starts us unchanged; each help says what it does here."""
 
-    log_level: str = option("info", "debug, info, warning or error, for every process")
     enable_metrics: bool = option(True, "always on here: every service serves /metrics")
     mem_fraction_static: float | None = option(
         None, "SGLang's device-memory share for weights and KV; here --kv-cache-gb sizes the KV"

@@ -38,6 +38,7 @@ from prometheus_client.exposition import MetricsHandler
 
 from shared.bus import Bus, NatsAuth
 from shared.config import add_dataclass_args, dataclass_from_args, option
+from shared.logs import LogConfig, configure_logging
 from shared.protocol import GATEWAY_HEARTBEAT, HEARTBEAT, Heartbeat
 from shared.telemetry import (
     GEN_THROUGHPUT,
@@ -297,14 +298,13 @@ def service_main(
 ) -> None:
     """`python -m services.<name>`: options from flags and SPECMESH_* variables, then run."""
     parser = argparse.ArgumentParser(prog=f"python -m services.{service_cls.kind}")
-    for cls in [ServiceConfig, *config_classes]:
+    for cls in [ServiceConfig, LogConfig, *config_classes]:
         add_dataclass_args(parser, cls)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get("SPECMESH_LOG_LEVEL", "INFO").upper(),
-        format=f"%(asctime)s {service_cls.kind} %(name)s %(levelname)s %(message)s",
-    )
     try:
+        logs = dataclass_from_args(LogConfig, args)
+        # Lines name the instance where `specmesh up` names it (decode-0), else the kind.
+        configure_logging(args.instance_id or service_cls.kind, logs.log_level, logs.log_format)
         configs: list[Any] = [dataclass_from_args(cls, args) for cls in config_classes]
         service_cls(dataclass_from_args(ServiceConfig, args), *configs).serve()
     except (ValueError, ConnectionError) as exc:  # bad options, unreachable servers

@@ -37,7 +37,8 @@ def specmesh_up(
     model: Path, *args: str, env: dict[str, str] | None = None, log: Path | None = None
 ) -> Iterator[str]:
     """`specmesh up` in a subprocess on a free port until the block ends; yields its URL
-    once it says it is up. Its output goes to `log` (to check what it printed)."""
+    once it says it is up. Its output and every process's logs go to `log` (to check what
+    they wrote)."""
     port = free_port()
     log = log or Path(tempfile.mkdtemp()) / "up.log"
     with open(log, "w") as out:
@@ -46,6 +47,7 @@ def specmesh_up(
             + ["--port", str(port), "--kv-cache-gb", "0.25", *args],
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             stdout=out,
+            stderr=subprocess.STDOUT,
         )
     try:
         deadline = time.monotonic() + 180

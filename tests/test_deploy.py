@@ -41,6 +41,7 @@ from shared.bus import Bus, NatsAuth
 from shared.config import env_name
 from shared.engine.engine import EngineConfig
 from shared.infra import ServerProcess, free_port, start_valkey
+from shared.logs import LogConfig
 from shared.protocol import nats_users
 from shared.service import ServiceConfig, service_main
 from shared.speculative.config import SpeculativeConfig
@@ -53,6 +54,7 @@ GPU_POOLS = ("decode", "drafter")
 INFRA = ("nats", "valkey", "otel-collector", "jaeger", "prometheus", "grafana")
 CONFIGS = [
     ServiceConfig,
+    LogConfig,
     GatewayConfig,
     TokenizerConfig,
     EngineConfig,
@@ -61,8 +63,8 @@ CONFIGS = [
     DecodeConfig,
     DrafterConfig,
 ]
-# Read outside the option dataclasses: the log level (service_main), the model cache.
-OTHER_VARIABLES = {"SPECMESH_LOG_LEVEL", "SPECMESH_CACHE"}
+# Read outside the option dataclasses: the model cache.
+OTHER_VARIABLES = {"SPECMESH_CACHE"}
 HCL = hcl2.SerializationOptions(
     with_comments=False, explicit_blocks=False, strip_string_quotes=True, preserve_heredocs=False
 )
@@ -133,6 +135,21 @@ def test_compose_runs_each_service_from_the_one_image() -> None:
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     assert "ENV SPECMESH_CACHE=/models" in dockerfile
     assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in dockerfile  # CPU default
+
+
+def test_the_image_installs_locked_dependencies_before_the_source() -> None:
+    """A source change must not reinstall dependencies: the locks are installed before any
+    source is copied, the package after it without dependencies; and .dockerignore lets in
+    every path the Dockerfile copies."""
+    lines = (DEPLOY / "Dockerfile").read_text().splitlines()
+    steps = [line for line in lines if line.startswith(("COPY ", "RUN pip "))]
+    source = next(i for i, line in enumerate(steps) if line.startswith("COPY services"))
+    assert any("-r requirements/serve.lock" in line for line in steps[:source])
+    assert all(line.startswith("COPY") for line in steps[source:-1])
+    assert steps[-1].startswith("RUN pip install") and "--no-deps" in steps[-1]
+    copied = {path for line in steps if line.startswith("COPY ") for path in line.split()[1:-1]}
+    admitted = (ROOT / ".dockerignore").read_text().splitlines()
+    assert copied <= {line.removeprefix("!") for line in admitted if line.startswith("!")}
 
 
 def test_compose_services_have_health_restart_scaling_and_limits() -> None:

@@ -7,6 +7,7 @@ in-process engine's, token for token, whatever the placement.
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -78,14 +79,23 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 
 @pytest.fixture(scope="module")
+def ngram_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What the `ngram` deployment writes: the launcher's output and every service's logs."""
+    return tmp_path_factory.mktemp("ngram") / "up.log"
+
+
+@pytest.fixture(scope="module")
 def ngram(
-    smollm_dir: Path, valkey: ServerProcess, receiver: OtlpReceiver
+    smollm_dir: Path, valkey: ServerProcess, receiver: OtlpReceiver, ngram_log: Path
 ) -> Iterator[tuple[str, str]]:
     """NGRAM, Redis KV transport, no overlap, spans to the receiver: (HTTP url, NATS url)."""
     args = ["--speculative-algorithm", "NGRAM", "--kv-transport", "redis"]
     args += ["--redis-url", valkey.url, "--kv-namespace", "ngram-test", "--no-overlap"]
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
-    with start_nats() as bus, specmesh_up(smollm_dir, "--nats-url", bus.url, *args, env=env) as url:
+    with (
+        start_nats() as bus,
+        specmesh_up(smollm_dir, "--nats-url", bus.url, *args, env=env, log=ngram_log) as url,
+    ):
         yield url, bus.url
 
 
@@ -355,3 +365,26 @@ def test_bad_instance_flags_fail_clearly() -> None:
         timeout=60,
     )
     assert result.returncode == 2 and "needs --speculative-algorithm" in result.stderr
+
+
+def test_the_gateway_logs_each_request_with_its_ids(
+    ngram: tuple[str, str], ngram_log: Path, receiver: OtlpReceiver
+) -> None:
+    """One access line per request, carrying the request id the response names and the trace
+    id of the request's spans, whose root is the request's HTTP span."""
+    url, _ = ngram
+    request_id = chat(url, "Say hi.", **GREEDY).headers["x-request-id"]
+
+    def roots(spans: list) -> list:
+        """The request's root span, once received (it ends after its access line is written)."""
+        tagged = [s for s in spans if s.attributes.get("specmesh.request_id") == request_id]
+        trace_ids = {s.trace_id for s in tagged}
+        return [s for s in spans if s.trace_id in trace_ids and not s.parent_span_id]
+
+    (root,) = roots(receiver.wait_for(lambda spans: bool(roots(spans)), timeout=20))
+    assert (root.service, root.name) == ("specmesh-gateway", "POST /v1/chat/completions")
+    log = ngram_log.read_text().splitlines()
+    lines = [line for line in log if "specmesh.access" in line and request_id in line]
+    assert len(lines) == 1, lines
+    access = r"gateway-0 INFO specmesh\.access: POST /v1/chat/completions 200 [\d.]+ ms"
+    assert re.search(rf"{access} request_id={request_id} trace_id={root.trace_id}$", lines[0])

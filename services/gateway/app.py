@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.gateway.access import AccessLog
 from services.gateway.chat import chat_routes
 from services.gateway.cluster import Cluster
 from services.gateway.completions import completion_routes
@@ -74,6 +75,7 @@ def build_app(cluster: Cluster, cfg: GatewayConfig) -> FastAPI:
     reasoning = make_reasoning_parser(cfg.reasoning_parser) if cfg.reasoning_parser else None
     app = FastAPI(title="specmesh", summary="OpenAI-compatible API with speculative decoding")
     app.add_middleware(Guard, api_key=cfg.api_key, max_body=cfg.max_request_bytes)
+    app.add_middleware(AccessLog, untraced=OPEN_PATHS)  # outermost: logs Guard's refusals
     created = int(time.time())
 
     @app.exception_handler(APIError)

@@ -38,9 +38,9 @@ async def start(
     if req.model not in (None, "", model_name):
         raise APIError(404, f"model {req.model!r} not found", "model")
     try:
-        # The request's trace: every service's spans for it hang below this one.
+        # Below the request's own span (access.py), tagged with its id: traces are found by it.
         attributes = {"specmesh.request_id": request_id}
-        with tracer.start_as_current_span(f"POST {route}", attributes=attributes) as span:
+        with tracer.start_as_current_span(f"start {route}", attributes=attributes) as span:
             generation = await cluster.generate(prompts)
             placement = next(iter(generation.placements.values()))
             span.set_attribute("specmesh.decode", placement.decode_id)

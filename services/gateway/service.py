@@ -45,7 +45,13 @@ class GatewayService(Service):
         )
         await self.cluster.start()
         app = build_app(self.cluster, g)
-        self.server = _Server(uvicorn.Config(app, host=g.host, port=g.port, log_level="warning"))
+        # uvicorn's records go through our logging (log_config=None: no handlers of its own),
+        # its start-up lines stay below warning (ours say the same), and the access log is
+        # the app's (services/gateway/access.py), with request and trace ids.
+        config = uvicorn.Config(
+            app, host=g.host, port=g.port, log_level="warning", log_config=None, access_log=False
+        )
+        self.server = _Server(config)
         self.http = asyncio.create_task(self.server.serve())
         while not self.server.started:
             if self.http.done():  # e.g. the port is taken
