@@ -1,7 +1,8 @@
 """The gateway's access log, and the span every HTTP request runs in.
 
-Each request is one trace: this span is its root, the generation routes tag it with their
-request id (respond.py `start`), and every service's spans for the request hang below it.
+Each request is one trace: this span is its root, a generation route starts its sequences
+in a child span tagged with its request id (respond.py `start`), and every service's spans
+for the request hang below.
 It stays open until the response's last byte, streamed or not. The access line is logged
 inside it, so it carries the trace id (shared/logs.py) beside the request id.
 """
