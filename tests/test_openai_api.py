@@ -480,3 +480,152 @@ def test_no_workers_is_503(smollm_dir: Path) -> None:
         gateway.terminate()
         gateway.wait(30)
         nats.stop()
+
+
+# --- the Responses API ----------------------------------------------------------
+
+RESPONSES_WEATHER_TOOL = {"type": "function", **WEATHER_TOOL["function"]}  # flat
+
+
+def test_responses_text_with_instructions(client: openai.OpenAI) -> None:
+    instructions = "You are a helpful assistant."
+    out = client.responses.create(
+        model="SmolLM2-135M-Instruct",
+        instructions=instructions,
+        input=QUESTION,
+        max_output_tokens=24,
+        temperature=0,
+        metadata={"run": "1"},
+        store=True,
+    )
+    assert out.object == "response" and out.id.startswith("resp_")
+    assert out.status == "completed" and out.incomplete_details is None and out.error is None
+    [message] = out.output
+    assert message.type == "message" and message.status == "completed"
+    assert [part.type for part in message.content] == ["output_text"]
+    assert out.instructions == instructions and out.metadata == {"run": "1"}
+    assert out.store is False and out.temperature == 0 and out.max_output_tokens == 24
+    # the same prompt and text as chat with the instructions as its system message
+    chat = client.chat.completions.create(
+        model="",
+        messages=[{"role": "system", "content": instructions}, *user(QUESTION)],
+        max_tokens=24,
+        temperature=0,
+    )
+    assert out.output_text == chat.choices[0].message.content and "Paris" in out.output_text
+    assert out.usage.input_tokens == chat.usage.prompt_tokens
+    assert out.usage.output_tokens == chat.usage.completion_tokens
+    assert out.usage.total_tokens == out.usage.input_tokens + out.usage.output_tokens
+
+
+def test_responses_max_output_tokens_is_incomplete(client: openai.OpenAI, url: str) -> None:
+    body = {"input": "Write a long story.", "max_output_tokens": 4}
+    out = client.responses.create(model="", **body)
+    assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
+    assert out.usage.output_tokens == 4 and out.output[0].status == "incomplete"
+    with httpx.stream("POST", f"{url}/v1/responses", json={**body, "stream": True}) as response:
+        lines = [line for line in response.iter_lines() if line]
+    names = [line.removeprefix("event: ") for line in lines[::2]]
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[1::2]]
+    assert names == [event["type"] for event in events] and names[-1] == "response.incomplete"
+
+
+def test_responses_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
+    args = {"model": "", "input": QUESTION, "max_output_tokens": 24, "temperature": 0}
+    full = client.responses.create(**args)
+    events = list(client.responses.create(**args, stream=True))
+    types = [event.type for event in events]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert set(types[4:-4]) == {"response.output_text.delta"}
+    assert types[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        f"response.{full.status}",
+    ]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    text = "".join(event.delta for event in events[4:-4])
+    assert text == events[-4].text == events[-1].response.output_text == full.output_text
+    assert events[2].item.id == events[4].item_id == events[-2].item.id
+    assert events[-1].response.usage.output_tokens == full.usage.output_tokens
+
+
+def test_responses_function_calls(client: openai.OpenAI) -> None:
+    ask = "And in Paris?"
+    history = [  # a worked example first, as in weather_history, in input items
+        {"role": "user", "content": "What is the weather like in London?"},
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": '{"city": "London"}',
+        },
+        {
+            "type": "function_call_output",
+            "call_id": "call_1",
+            "output": '{"sky": "rainy", "celsius": 12}',
+        },
+        {"role": "assistant", "content": "It is rainy in London, 12 degrees."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": ask}]},
+    ]
+    args = {"model": "", "tools": [RESPONSES_WEATHER_TOOL], "temperature": 0}
+    args |= {"max_output_tokens": 24, "tool_choice": "required"}
+    out = client.responses.create(**args, input=history)
+    [call] = out.output
+    assert call.type == "function_call" and call.status == "completed" and out.status == "completed"
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments), dict)
+    assert call.id.startswith("fc_") and call.call_id.startswith("call_")
+    events = list(client.responses.create(**args, input=history, stream=True))
+    assert [event.type for event in events[2:]] == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert events[-2].item.arguments == events[-3].arguments == call.arguments
+    # the SDK's loop: the output back in the input, followed by the call's result
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "sunny"}'}
+    turn = [item.model_dump(exclude_none=True) for item in out.output]
+    args |= {"tool_choice": "auto", "max_output_tokens": 8}
+    assert client.responses.create(**args, input=[*history, *turn, result]).output
+
+
+@pytest.mark.parametrize(
+    "extra, param, says",
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "does not store responses"),
+        ({"background": True}, "background", "does not store responses"),
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type", "only function tools"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input.0.content.0",
+            "only text",
+        ),
+    ],
+)
+def test_responses_refuse_what_this_server_lacks(
+    url: str, extra: dict, param: str, says: str
+) -> None:
+    response = httpx.post(f"{url}/v1/responses", json={"input": "hi", **extra}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert says in error["message"]
+
+
+def test_responses_reasoning_item(guarded: str) -> None:
+    client = openai.OpenAI(base_url=f"{guarded}/v1", api_key="sk-test")
+    args = {"model": "", "input": QUESTION, "temperature": 0, "max_output_tokens": 16}
+    out = client.responses.create(**args, reasoning={"effort": "low"})
+    [reasoning] = out.output  # deepseek_r1: all 16 tokens are still thinking
+    assert reasoning.type == "reasoning" and reasoning.content[0].text
+    assert out.reasoning.effort == "low" and out.output_text == ""
+    events = client.responses.create(**args, reasoning={"effort": "low"}, stream=True)
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == reasoning.content[0].text

@@ -28,6 +28,7 @@ from services.gateway.completions import completion_routes
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import APIError, error_response
 from services.gateway.respond import acceptance_length
+from services.gateway.responses import response_routes
 from shared.config import DEFAULT_MODEL_NAME
 from shared.parsers.reasoning import make_reasoning_parser
 from shared.parsers.tools import make_tool_parser
@@ -165,4 +166,5 @@ def build_app(cluster: Cluster, cfg: GatewayConfig) -> FastAPI:
 
     app.include_router(chat_routes(cluster, model_name, tool_parser, reasoning))
     app.include_router(completion_routes(cluster, model_name))
+    app.include_router(response_routes(cluster, model_name, tool_parser, reasoning))
     return app

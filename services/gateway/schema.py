@@ -24,6 +24,9 @@ Penalty = Annotated[float, Field(ge=-2, le=2)]
 TokenCount = Annotated[int, Field(ge=1)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+Temperature = Annotated[float, Field(ge=0, le=2)]
+TopP = Annotated[float, Field(gt=0, le=1)]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
 
 
 class Body(BaseModel):
@@ -110,8 +113,8 @@ class GenerationRequest(Body):
 
     model: str | None = None
     max_tokens: TokenCount | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: Probability | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
@@ -167,7 +170,7 @@ class ChatCompletionRequest(GenerationRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
