@@ -10,8 +10,9 @@ from services.decode.config import DecodeConfig
 from services.gateway.config import GatewayConfig
 from services.launcher import Configs, Launcher, UpConfig
 from services.prefill.config import PrefillConfig
+from services.tokenizer.config import TokenizerConfig
 from shared.bus import NatsAuth
-from shared.config import SGLangFlags, add_dataclass_args, dataclass_from_args
+from shared.config import HelpFormatter, SGLangFlags, add_dataclass_args, dataclass_from_args
 from shared.engine.engine import EngineConfig
 from shared.logs import LogConfig, configure_logging
 from shared.speculative.config import SpeculativeConfig
@@ -25,6 +26,7 @@ _UP_CONFIGS = {
     "transport": TransportConfig,
     "decode": DecodeConfig,
     "prefill": PrefillConfig,
+    "tokenizer": TokenizerConfig,
     "nats": NatsAuth,
     "sglang": SGLangFlags,
 }
@@ -62,7 +64,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="specmesh", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    up = commands.add_parser("up", help="start NATS, the KV store and every service locally")
+    up = commands.add_parser(
+        "up",
+        help="start NATS, the KV store and every service locally",
+        formatter_class=HelpFormatter,
+    )
     for cls in _UP_CONFIGS.values():
         add_dataclass_args(up, cls)
     up.set_defaults(run=_up)
@@ -72,7 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     fetch.set_defaults(run=_fetch_model)
 
     train = commands.add_parser(
-        "train-draft", help="train a draft head for a target (self-distilled data, EAGLE-3 TTT)"
+        "train-draft",
+        help="train a draft head for a target (self-distilled data, EAGLE-3 TTT)",
+        formatter_class=HelpFormatter,
     )
     from shared.training.train_draft import TrainDraftConfig
 

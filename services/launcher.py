@@ -68,7 +68,7 @@ class Configs:
     prefill: PrefillConfig
     nats: NatsAuth
     sglang: SGLangFlags  # accepted for SGLang's launch commands; nothing here reads them
-    tokenizer: TokenizerConfig = field(init=False)
+    tokenizer: TokenizerConfig
     drafter: DrafterConfig = field(init=False)
     # NATS credentials of one kind of service (or the launcher), where each has its own
     nats_users: dict[str, NatsAuth] = field(init=False, default_factory=dict)
@@ -76,7 +76,7 @@ class Configs:
     def __post_init__(self) -> None:
         model, device, dtype = self.engine.model, self.engine.device, self.engine.dtype
         self.gateway.model = model
-        self.tokenizer = TokenizerConfig(model)
+        self.tokenizer.model = model
         self.drafter = DrafterConfig(model, device, dtype)
 
     def service_configs(self, kind: str) -> list[Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -54,6 +55,7 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
+DTYPES = ("auto", *_DTYPES)
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
@@ -69,10 +71,21 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 T = TypeVar("T")
 
 
-def option(default: Any, help: str, aliases: tuple[str, ...] = ()) -> Any:
+def option(default: Any, help: str, aliases: tuple[str, ...] = (), choices: Any = None) -> Any:
     """A config dataclass field that is also a command-line option with this help; `aliases`
-    are other flags for it (SGLang's names, where ours differ)."""
-    return dataclasses.field(default=default, metadata={"help": help, "aliases": aliases})
+    are other flags for it (SGLang's names, where ours differ); `choices`, its only values."""
+    metadata = {"help": help, "aliases": aliases, "choices": choices}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def device_option() -> Any:
+    return option(None, "cpu, cuda, cuda:N (default: cuda when available)")
+
+
+def dtype_option() -> Any:
+    return option(
+        None, "weights' and KV's dtype (default auto: fp32 on CPU, bf16 on GPU)", choices=DTYPES
+    )
 
 
 def secret_option(help: str) -> Any:
@@ -103,6 +116,15 @@ class SGLangFlags:
     trust_remote_code: bool = option(
         False, "unused here: checkpoints are only ever read as tensors, never run as code"
     )
+    speculative_ngram_min_match_window_size: int | None = option(
+        None, "SGLang's shortest NGRAM match; here every suffix length down to 1 is tried"
+    )
+    speculative_ngram_max_match_window_size: int | None = option(
+        None, "SGLang's longest NGRAM match; here --speculative-ngram-max-trie-depth bounds it"
+    )
+    speculative_ngram_branch_length: int | None = option(
+        None, "SGLang's NGRAM continuation length; here the trie depth bounds it"
+    )
 
 
 def env_name(option_name: str) -> str:
@@ -110,12 +132,29 @@ def env_name(option_name: str) -> str:
     return "SPECMESH_" + option_name.upper()
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows each option's default, unless it has none or its help names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def option_group_title(cls: type) -> str:
+    """`--help` groups each config's options under its name: NatsAuth -> "nats auth options"."""
+    words = re.sub(r"(?<=[a-z])(?=[A-Z])", " ", cls.__name__.removesuffix("Config"))
+    return f"{words.lower()} options"
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
     """Expose each field of a config dataclass as `--field-name`, with its help text,
-    default, and a matching environment variable `SPECMESH_FIELD_NAME`. An option that
-    several configs share (`--model`) is added once and fills all of them."""
+    default, choices, and a matching environment variable `SPECMESH_FIELD_NAME`, in an
+    argument group of its own. An option that several configs share (`--model`) is added
+    once and fills all of them."""
     hints = typing.get_type_hints(cls)
     present = {action.dest for action in parser._actions}
+    group = parser.add_argument_group(option_group_title(cls))
     for f in dataclasses.fields(cls):
         if f.name in present:
             continue
@@ -128,13 +167,13 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         flag = f"--{f.name.replace('_', '-')}"
         flags = [flag, *f.metadata.get("aliases", ())]
         if f.metadata.get("secret"):  # a secret may also come from a file (mounted secrets)
-            parser.add_argument(
+            group.add_argument(
                 f"{flag}-file",
                 default=os.environ.get(f"{env}_FILE"),
                 help=f"read {flag} from this file when it is not set [env {env}_FILE]",
             )
         if kind is bool:
-            parser.add_argument(
+            group.add_argument(
                 *flags,
                 dest=f.name,
                 action=argparse.BooleanOptionalAction,
@@ -142,10 +181,11 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
                 help=help_text,
             )
         else:
-            parser.add_argument(
+            group.add_argument(
                 *flags,
                 dest=f.name,
                 type=kind,
+                choices=f.metadata.get("choices"),
                 default=None if default is None else kind(default),
                 help=help_text,
             )

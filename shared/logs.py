@@ -29,8 +29,12 @@ FIELDS = (*IDS, "method", "path", "status", "duration_ms")
 class LogConfig:
     """Options of every process (`--log-level` is also SGLang's flag)."""
 
-    log_level: str = option("info", "debug, info, warning or error, for every process")
-    log_format: str = option("text", "text, or json (one object per line), for every process")
+    log_level: str = option(
+        "info", "for every process", choices=("debug", "info", "warning", "error", "critical")
+    )
+    log_format: str = option(
+        "text", "for every process (json: one object per line)", choices=("text", "json")
+    )
 
     def environ(self) -> dict[str, str]:
         """The variables that give processes started from here these settings."""

@@ -13,12 +13,15 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from shared.core.spec_stats import SpecStats
 from shared.sampling.params import INT32_MAX, SamplingParams
 
 PROTOCOL_VERSION = 2
 
 # Subjects. `{id}` is an instance id; the queue groups share work among instances.
 TOKENIZE = "specmesh.tokenizer.tokenize"  # queue group "tokenizer"
+ENCODE = "specmesh.tokenizer.encode"  # queue group "tokenizer": text to ids, nothing kept
+DECODE = "specmesh.tokenizer.decode"  # queue group "tokenizer": ids to text, nothing kept
 PREFILL = "specmesh.prefill"  # queue group "prefill"
 ABORT = "specmesh.abort"  # broadcast: every service drops the request
 HEARTBEAT = "specmesh.heartbeat.{kind}"  # kind: a kind of service
@@ -41,6 +44,11 @@ def drafter_subject(drafter_id: str) -> str:
     return f"specmesh.drafter.{drafter_id}"
 
 
+def flush_subject(instance_id: str) -> str:
+    """A prefill or decode instance's: drop its prefix cache."""
+    return f"specmesh.cache.{instance_id}.flush"
+
+
 def gateway_subject(gateway_id: str) -> str:
     return f"specmesh.gateway.{gateway_id}.out"
 
@@ -55,17 +63,23 @@ def inbox_prefix(user: str) -> str:
 # password reaches only that service's subjects. `*` stands for any instance.
 _ALLOWED: dict[str, tuple[list[str], list[str]]] = {
     "gateway": (
-        [TOKENIZE, PREFILL, decode_subject("*"), resume_subject("*"), ABORT],
+        [
+            *(TOKENIZE, ENCODE, DECODE, PREFILL, ABORT),
+            *(decode_subject("*"), resume_subject("*"), flush_subject("*")),
+        ],
         [gateway_subject("*"), HEARTBEAT.format(kind="*")],
     ),
     "tokenizer": (
         [gateway_subject("*"), ABORT],
-        [TOKENIZE, detok_subject("*"), resume_subject("*"), ABORT, GATEWAY_HEARTBEAT],
+        [
+            *(TOKENIZE, ENCODE, DECODE, ABORT, GATEWAY_HEARTBEAT),
+            *(detok_subject("*"), resume_subject("*")),
+        ],
     ),
-    "prefill": ([], [PREFILL, ABORT]),
+    "prefill": ([], [PREFILL, ABORT, flush_subject("*")]),
     "decode": (
         [detok_subject("*"), drafter_subject("*")],
-        [decode_subject("*"), ABORT, GATEWAY_HEARTBEAT],
+        [decode_subject("*"), flush_subject("*"), ABORT, GATEWAY_HEARTBEAT],
     ),
     "drafter": ([], [drafter_subject("*"), ABORT]),
     "specmesh-up": ([], [HEARTBEAT.format(kind="*")]),  # the launcher sees services start
@@ -130,6 +144,36 @@ class TokenizeReply(Message, kw_only=True):
     prompt_text: str  # the prompt as the model sees it (completions echo it)
 
 
+class EncodeRequest(Message, kw_only=True):
+    """Texts to token ids (the /tokenize endpoint): no request state is kept."""
+
+    texts: list[str]
+    add_special_tokens: bool = True
+
+
+class EncodeReply(Message, kw_only=True):
+    token_ids: list[list[TokenId]]
+
+
+class DecodeRequest(Message, kw_only=True):
+    """Token ids to texts (the /detokenize endpoint); ids outside the vocabulary fail."""
+
+    token_ids: list[list[TokenId]]
+    skip_special_tokens: bool = True
+
+
+class DecodeReply(Message, kw_only=True):
+    texts: list[str]
+
+
+class FlushCache(Message, kw_only=True):
+    """Drop the prefix cache: the blocks no running request holds, here and in the store."""
+
+
+class CacheFlushed(Message, kw_only=True):
+    blocks: Count  # cached blocks this instance forgot
+
+
 class PrefillRequest(Message, kw_only=True):
     request_id: str
     prompt_ids: list[TokenId]
@@ -174,7 +218,7 @@ class TokenBatch(Message, kw_only=True):
     finish_reason: str | None = None
     num_prompt_tokens: Count = 0
     num_cached_tokens: Count = 0  # prompt tokens served from a prefix cache
-    spec: dict[str, Count] | None = None  # speculation totals, on the last batch
+    spec: SpecStats | None = None  # speculation totals, on the last batch
     error: str | None = None  # with finish_reason "error"
     attempt: Count = 0  # the AdmitRequest's: a moved request's old worker is ignored
 
@@ -186,17 +230,27 @@ class TokenBatches(Message, kw_only=True):
     batches: list[TokenBatch]
 
 
+class TokenLogprob(Message, kw_only=True):
+    """A token's log-probability, as id and text; `top`: the most likely alternatives."""
+
+    token_id: TokenId
+    text: str
+    logprob: float
+    top: list[TokenLogprob] = []
+
+
 class TextDelta(Message, kw_only=True):
     """Detokenized output for the gateway; `finish_reason` set on the last one."""
 
     request_id: str
     text: str
     num_tokens: Count
-    logprobs: list[dict[str, Any]] | None = None  # OpenAI chat logprob entries
+    token_ids: list[TokenId] = []  # the tokens of this delta (num_tokens of them)
+    logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     num_prompt_tokens: Count = 0
     num_cached_tokens: Count = 0
-    spec: dict[str, Count] | None = None
+    spec: SpecStats | None = None
     error: str | None = None  # with finish_reason "error"
 
 
@@ -283,6 +337,12 @@ _MESSAGES: dict[str, type[Message]] = {
         ErrorReply,
         TokenizeRequest,
         TokenizeReply,
+        EncodeRequest,
+        EncodeReply,
+        DecodeRequest,
+        DecodeReply,
+        FlushCache,
+        CacheFlushed,
         PrefillRequest,
         PrefillReply,
         AdmitRequest,

@@ -37,9 +37,16 @@ import nats
 from prometheus_client.exposition import MetricsHandler
 
 from shared.bus import Bus, NatsAuth
-from shared.config import add_dataclass_args, dataclass_from_args, option
+from shared.config import HelpFormatter, add_dataclass_args, dataclass_from_args, option
 from shared.logs import LogConfig, configure_logging
-from shared.protocol import GATEWAY_HEARTBEAT, HEARTBEAT, Heartbeat
+from shared.protocol import (
+    GATEWAY_HEARTBEAT,
+    HEARTBEAT,
+    CacheFlushed,
+    FlushCache,
+    Heartbeat,
+    flush_subject,
+)
 from shared.telemetry import (
     GEN_THROUGHPUT,
     KV_BLOCKS_FREE,
@@ -56,6 +63,7 @@ from shared.telemetry import (
 if TYPE_CHECKING:  # the gateway and tokenizer never load torch
     from shared.engine.async_engine import AsyncEngine
     from shared.engine.engine import LLMEngine
+    from shared.transport import KVTransport
 
 log = logging.getLogger(__name__)
 
@@ -297,7 +305,10 @@ def service_main(
     service_cls: type[Service], config_classes: list[type], argv: list[str] | None = None
 ) -> None:
     """`python -m services.<name>`: options from flags and SPECMESH_* variables, then run."""
-    parser = argparse.ArgumentParser(prog=f"python -m services.{service_cls.kind}")
+    parser = argparse.ArgumentParser(
+        prog=f"python -m services.{service_cls.kind}",
+        formatter_class=HelpFormatter,
+    )
     for cls in [ServiceConfig, LogConfig, *config_classes]:
         add_dataclass_args(parser, cls)
     args = parser.parse_args(argv)
@@ -317,6 +328,7 @@ class EngineService(Service):
     driver: AsyncEngine
     engine: LLMEngine
     model_name: str  # the `model_name` label of its SGLang-named series
+    transport: KVTransport  # where prompts' K/V blocks travel, content-addressed
     _reported: tuple[float, int] = (0.0, 0)  # (time, tokens generated) at the last report
 
     def report_engine(self) -> None:
@@ -335,6 +347,24 @@ class EngineService(Service):
         if then:
             GEN_THROUGHPUT.labels(name).set((generated - before) / (now - then))
         self._reported = (now, generated)
+
+    async def serve_flush(self) -> None:
+        """Take /flush_cache calls (on this instance's own subject)."""
+        await self.bus.serve(flush_subject(self.instance_id), self.flush_cache)
+
+    async def flush_cache(self, _: FlushCache) -> CacheFlushed:
+        """Drop the prefix cache, here (between engine steps) and in the KV store; refused
+        (400) while requests run, whose K/V may be on its way through the store."""
+
+        def flush() -> int:
+            if running := len(self.engine.sequences):
+                raise ValueError(f"{self.instance_id} has {running} requests running")
+            return self.engine.block_manager.flush()
+
+        blocks = await self.driver.call(flush)
+        await asyncio.to_thread(self.transport.clear)
+        log.info("prefix cache flushed: %d blocks", blocks)
+        return CacheFlushed(blocks=blocks)
 
     def main_loop(self) -> None:
         self.driver.run()

@@ -1,8 +1,9 @@
 """Tokenizer with the model's chat template, and UTF-8-safe incremental detokenization.
 
-Built on the `tokenizers` library and a sandboxed Jinja environment (what
-Hugging Face chat templates are written for), so services need not import
-transformers.
+Built on the `tokenizers` library (its DecodeStream detokenizes) and a sandboxed
+Jinja environment set up as transformers sets up its own (loop controls, `tojson`
+that keeps non-ASCII text, the `generation` block), so templates render exactly as
+transformers renders them and services need not import transformers.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from jinja2 import nodes
 from jinja2.exceptions import TemplateError
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from shared.parsers import held_back
 
@@ -23,34 +28,76 @@ def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """transformers' `tojson`: unlike Jinja's, it keeps non-ASCII text and key order."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+class GenerationBlock(Extension):
+    """`{% generation %}...{% endgeneration %}` marks the assistant's tokens for training
+    masks in transformers; rendering keeps its body as it is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
+def chat_template_environment() -> ImmutableSandboxedEnvironment:
+    """The Jinja environment transformers renders chat templates in."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise, strftime_now=lambda f: datetime.now().strftime(f))
+    return env
+
+
 def _token_text(value: Any) -> str | None:
     """tokenizer_config.json stores special tokens as strings or AddedToken dicts."""
     return value.get("content") if isinstance(value, dict) else value
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, chat_template: str | Path | None = None) -> None:
+        """`chat_template`: a Jinja file that replaces the model's own template."""
         model_dir = Path(model_dir)
         self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        template_path = model_dir / "chat_template.jinja"
+        template_path = Path(chat_template or model_dir / "chat_template.jinja")
         template = (
             template_path.read_text() if template_path.exists() else config.get("chat_template")
         )
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals.update(
-            raise_exception=_raise, strftime_now=lambda f: datetime.now().strftime(f)
-        )
-        self._template = env.from_string(template) if template else None
+        self._template = chat_template_environment().from_string(template) if template else None
         self.template_source = template or ""
+
+    @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers` tokenizer underneath."""
+        return self._tok
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
+
+    def check_ids(self, ids: list[int]) -> None:
+        """ValueError unless every id is in the vocabulary."""
+        if not all(0 <= i < self.vocab_size for i in ids):
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -82,26 +129,18 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas.
-
-    Decodes a short window of recent tokens and emits only what is new, and
-    holds back text that ends in a partial UTF-8 character (U+FFFD).
-    """
+    """Turns a growing list of token ids into text deltas: `tokenizers`' DecodeStream,
+    primed with the prompt's last tokens so that the first word is spaced as in the whole
+    text; a partial UTF-8 character waits for the token that completes it."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = list(prompt_ids or [])[-6:]  # context so the first word spaces right
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        self.backend = tokenizer.backend
+        self.stream = DecodeStream(ids=list(prompt_ids or [])[-6:], skip_special_tokens=True)
 
     def add(self, token_ids: list[int]) -> str:
-        self.ids.extend(token_ids)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
-        if full.endswith("\ufffd") or len(full) <= len(prefix):
+        if not token_ids:
             return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return full[len(prefix) :]
+        return self.stream.step(self.backend, token_ids) or ""
 
 
 class TextStream:

@@ -183,6 +183,17 @@ def test_seeded_sampling_is_reproducible(engine: LLMEngine, prompt_ids: list[lis
     assert batch[0] == first
 
 
+def test_random_seed_makes_unseeded_sampling_repeat(
+    smollm_dir: Path, prompt_ids: list[list[int]]
+) -> None:
+    params = SamplingParams(temperature=1.0, max_tokens=8)
+    runs = []
+    for _ in range(2):
+        seeded = LLMEngine(EngineConfig(model=str(smollm_dir), kv_cache_gb=0.05, random_seed=5))
+        runs.append(seeded.generate(prompt_ids[:2], params))
+    assert runs[0] == runs[1]
+
+
 def test_bad_requests_are_rejected_clearly(engine: LLMEngine) -> None:
     with pytest.raises(ValueError, match="prompt is empty"):
         engine.add_request("e1", [], GREEDY)

@@ -124,6 +124,25 @@ def test_expiry_touch_and_delete(transport: KVTransport) -> None:
     assert transport.count_present(["k0"]) == 0
 
 
+def test_clear_removes_this_namespace_only(transport: KVTransport) -> None:
+    namespace = f"test-{uuid.uuid4().hex[:12]}"
+    shm = isinstance(transport, ShmTransport)
+    other = ShmTransport(namespace) if shm else RedisTransport(transport.url, namespace)
+    try:
+        blobs = _blobs(3)
+        transport.put_many(blobs, ttl_s=30)
+        other.put_many({"k0": blobs["k0"]}, ttl_s=30)
+        transport.clear()
+        assert transport.count_present(list(blobs)) == 0 and transport.get_many(["k1"]) == [None]
+        assert other.get_many(["k0"]) == [blobs["k0"]]
+        transport.put_many({"k0": blobs["k0"]}, ttl_s=30)  # usable afterwards
+        assert transport.get_many(["k0"]) == [blobs["k0"]]
+    finally:
+        if isinstance(other, ShmTransport):
+            other.remove_all()
+        other.close()
+
+
 def test_concurrent_writers_and_reader_see_whole_values(transport: KVTransport) -> None:
     """Content-addressed rewrites race with reads from another thread: a reader only ever sees
     the whole value."""

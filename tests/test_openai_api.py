@@ -5,6 +5,7 @@ errors, API keys, limits and cancellation."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema_rs
 import openai
 import pytest
 from deployment import sample, scrape, specmesh_up
@@ -311,6 +313,92 @@ def test_tool_choice_must_name_a_tool(client: openai.OpenAI) -> None:
         client.chat.completions.create(
             model="", messages=user("hi"), tools=[WEATHER_TOOL], tool_choice=bad
         )
+
+
+# --- structured outputs ---------------------------------------------------------
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "country": {"enum": ["France", "Japan", "Peru"]},
+        "population": {"type": "integer", "minimum": 0, "maximum": 40000000},
+    },
+    "required": ["city", "country", "population"],
+    "additionalProperties": False,
+}
+
+
+def city_format() -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA}}
+
+
+def test_json_schema_response_format(client: openai.OpenAI) -> None:
+    args = {"model": "", "messages": user("Describe Paris."), "temperature": 0, "max_tokens": 48}
+    out = client.chat.completions.create(**args, response_format=city_format())
+    text = out.choices[0].message.content
+    assert jsonschema_rs.validator_for(CITY_SCHEMA).is_valid(json.loads(text))
+    assert out.choices[0].finish_reason == "stop"
+    chunks = client.chat.completions.create(**args, response_format=city_format(), stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    plain = client.chat.completions.create(**args, response_format={"type": "json_object"})
+    assert isinstance(json.loads(plain.choices[0].message.content), dict)
+
+
+def test_regex_and_ebnf_extras(client: openai.OpenAI) -> None:
+    args = {"model": "", "temperature": 0, "max_tokens": 12}
+    out = client.completions.create(
+        **args, prompt="Is water wet?", extra_body={"regex": "(Yes|No)\\."}
+    )
+    assert out.choices[0].text in ("Yes.", "No.")
+    ebnf = 'root ::= "The answer is " [0-9]+ "."'
+    out = client.chat.completions.create(
+        **args, messages=user("What is 6 times 7?"), extra_body={"ebnf": ebnf}
+    )
+    assert re.fullmatch(r"The answer is [0-9]+\.", out.choices[0].message.content)
+
+
+def test_responses_text_format(client: openai.OpenAI) -> None:
+    text_format = {"type": "json_schema", "name": "city", "schema": CITY_SCHEMA, "strict": True}
+    out = client.responses.create(
+        model="",
+        input="Describe Tokyo.",
+        temperature=0,
+        max_output_tokens=48,
+        text={"format": text_format},
+    )
+    assert jsonschema_rs.validator_for(CITY_SCHEMA).is_valid(json.loads(out.output_text))
+    assert out.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "flower"}},
+                }
+            },
+            "flower",
+        ),
+        ({"regex": "a(?=b)"}, "look-around"),
+        ({"ebnf": 'root ::= "a" missing'}, "missing"),
+        ({"regex": "a", "ebnf": 'root ::= "a"'}, "at most one"),
+    ],
+)
+def test_bad_grammars_get_400(url: str, extra: dict, says: str) -> None:
+    body = {"messages": user("hi"), "max_tokens": 4, **extra}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert says in response.json()["error"]["message"]
+    assert (
+        httpx.post(
+            f"{url}/v1/chat/completions", json={**body, **{k: None for k in extra}}, timeout=60
+        ).status_code
+        == 200
+    )
 
 
 # --- errors ---------------------------------------------------------------------

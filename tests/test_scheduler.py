@@ -81,6 +81,22 @@ def test_freed_blocks_keep_their_prefix_until_reused() -> None:
     assert last.num_computed_tokens == 0
 
 
+def test_flush_forgets_free_prefixes_and_keeps_those_in_use() -> None:
+    manager = BlockManager(num_blocks=8, block_size=BLOCK)
+    done, running = seq("a", range(9)), seq("b", range(100, 109))
+    for s in (done, running):
+        manager.allocate(s)
+        compute(manager, s, 9)
+    manager.free(done)
+    assert manager.flush() == 2  # done's two sealed blocks
+    again = seq("c", range(9))
+    manager.allocate(again)
+    assert again.num_computed_tokens == 0
+    shared = seq("d", range(100, 109))
+    manager.allocate(shared)  # running's blocks still serve as a prefix
+    assert shared.num_computed_tokens == 8
+
+
 def test_can_allocate_counts_free_cached_blocks_and_the_reserve() -> None:
     manager = BlockManager(num_blocks=3, block_size=BLOCK)
     s = seq("a", range(9))

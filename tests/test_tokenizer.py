@@ -106,6 +106,34 @@ def test_chat_template_without_generation_prompt(tok: Tokenizer, hf_tok: Any, na
     assert not text.endswith("<|im_start|>assistant\n")
 
 
+# Templates using what transformers' Jinja environment adds: loop controls, its `tojson`
+# (non-ASCII kept, indent), the `generation` block; each against transformers' rendering.
+FEATURE_TEMPLATES = [
+    "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+    "{{ m.role }}: {{ m.content }}\n{% endfor %}",
+    "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+    "{{ m | tojson }}{% endfor %}{{ tools | tojson(indent=2) }}",
+    "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
+    "{{ m.content }}{% endgeneration %}{% else %}[{{ m.content }}]{% endif %}{% endfor %}",
+]
+
+
+@pytest.mark.parametrize("template", FEATURE_TEMPLATES)
+def test_template_features_render_as_in_transformers(
+    smollm_dir: Path, hf_tok: Any, tmp_path: Path, template: str
+) -> None:
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    ours = Tokenizer(smollm_dir, chat_template=path)
+    messages = CONVERSATIONS["system-multi-turn"]
+    tools = [{"name": "météo", "parameters": {"ville": "Zürich"}}]
+    text = ours.apply_chat_template(messages, tools=tools, add_generation_prompt=False)
+    reference = hf_tok.apply_chat_template(
+        messages, tools=tools, chat_template=template, tokenize=False
+    )
+    assert text == reference and text
+
+
 # --- incremental detokenization ---------------------------------------------------------------
 
 

@@ -17,3 +17,10 @@ class DecodeConfig:
         "on shared CPU cores it costs a forward pass per lane (benchmarks/bench_services.py)",
     )
     draft_timeout: float = option(5.0, "seconds to wait for a drafter's trees")
+    stream_interval: int = option(
+        1, "tokens a request's output gathers before it is streamed on (larger: fewer messages)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError("--stream-interval must be at least 1")

@@ -11,7 +11,6 @@ Each step's tokens go to the request's detokenizer.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncGenerator
 from pathlib import Path
 
@@ -22,9 +21,9 @@ from services.decode.drafter_client import DrafterClient
 from shared.bus import Outbox
 from shared.config import model_name_of
 from shared.core.sequence import RemotePrefix
+from shared.core.spec_stats import SpecStats
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import EngineConfig, FirstToken, LLMEngine, TokenOutput
-from shared.engine.speculation import SpecStats
 from shared.kvcache.exchange import KVExchange, model_fingerprint
 from shared.model.config import ModelConfig
 from shared.model.fetch import resolve_model
@@ -87,6 +86,7 @@ class DecodeService(EngineService):
             self.engine.kv_cache, self.transport, fingerprint, tcfg.kv_ttl, self.kind
         )
         self.driver = AsyncEngine(self.engine, own_thread=False)
+        self.stream_interval = dcfg.stream_interval
         self.model_name = model_name_of(ecfg.model)
         self._draft_wait_reported = 0.0
         self._spec_reported = SpecStats()  # the engine's totals at the last heartbeat
@@ -97,6 +97,7 @@ class DecodeService(EngineService):
         self.outbox = Outbox(self.bus, lambda batches: TokenBatches(batches=batches))
         await self.bus.serve(decode_subject(self.instance_id), self.admit)
         await self.bus.serve(ABORT, self.abort)
+        await self.serve_flush()
 
     async def drain(self) -> None:
         while self.streams:
@@ -120,7 +121,7 @@ class DecodeService(EngineService):
             since = totals.since(self._spec_reported)
             if since.steps:
                 SPEC_ACCEPT_LENGTH.labels(self.model_name).set(since.acceptance_length)
-            self._spec_reported = dataclasses.replace(totals)
+            self._spec_reported = totals.since(SpecStats())
         return Heartbeat(
             kind=self.kind,
             instance_id=self.instance_id,
@@ -174,12 +175,18 @@ class DecodeService(EngineService):
     async def _forward(
         self, req: AdmitRequest, stream: AsyncGenerator[list[TokenOutput], None]
     ) -> None:
-        """The request's tokens to its detokenizer, with the other requests' of each step."""
+        """The request's tokens to its detokenizer, with the other requests' of each step,
+        once `stream_interval` of them have gathered (or the request ended)."""
         cached = len(req.prompt_ids) - req.prefill.num_computed_tokens
         want_logprobs = req.params.logprobs is not None
+        gathered: list[TokenOutput] = []
         try:
             async for outputs in stream:
-                batch = _batch(req, outputs, cached, want_logprobs)
+                gathered += outputs
+                if len(gathered) < self.stream_interval and outputs[-1].finish_reason is None:
+                    continue
+                batch = _batch(req, gathered, cached, want_logprobs)
+                gathered = []
                 self.outbox.put(req.detok_subject, batch)
                 if batch.spec is not None:
                     self._count_speculation(batch.spec)
@@ -196,15 +203,13 @@ class DecodeService(EngineService):
             )
             self.outbox.put(req.detok_subject, failed)
 
-    def _count_speculation(self, spec: dict[str, int]) -> None:
+    def _count_speculation(self, spec: SpecStats) -> None:
         algorithm = self.spec.speculative_algorithm if self.spec else "none"
-        SPEC_VERIFY_STEPS.labels(algorithm).inc(spec["steps"])
-        SPEC_DRAFT_TOKENS.labels(algorithm).inc(spec["draft_tokens"])
-        SPEC_ACCEPTED_TOKENS.labels(algorithm).inc(spec["accepted_tokens"])
-        if spec["steps"]:
-            SPEC_ACCEPTANCE_LENGTH.labels(algorithm).observe(
-                1 + spec["accepted_tokens"] / spec["steps"]
-            )
+        SPEC_VERIFY_STEPS.labels(algorithm).inc(spec.steps)
+        SPEC_DRAFT_TOKENS.labels(algorithm).inc(spec.draft_tokens)
+        SPEC_ACCEPTED_TOKENS.labels(algorithm).inc(spec.accepted_tokens)
+        if spec.steps:
+            SPEC_ACCEPTANCE_LENGTH.labels(algorithm).observe(spec.acceptance_length)
 
 
 def _batch(
@@ -220,6 +225,6 @@ def _batch(
         finish_reason=last.finish_reason,
         num_prompt_tokens=len(req.prompt_ids),
         num_cached_tokens=cached,
-        spec=dataclasses.asdict(last.spec) if last.spec else None,
+        spec=last.spec,
         attempt=req.attempt,
     )

@@ -27,7 +27,7 @@ from services.gateway.cluster import Cluster
 from services.gateway.completions import completion_routes
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import APIError, error_response
-from services.gateway.respond import acceptance_length
+from services.gateway.native import native_routes
 from services.gateway.responses import response_routes
 from shared.config import DEFAULT_MODEL_NAME
 from shared.parsers.reasoning import make_reasoning_parser
@@ -125,12 +125,10 @@ def build_app(cluster: Cluster, cfg: GatewayConfig) -> FastAPI:
         if algorithms:
             state.update(
                 speculative_algorithm=",".join(sorted(algorithms)),
-                avg_spec_accept_length=acceptance_length(
-                    stats.spec_steps, stats.spec_accepted_tokens
-                ),
-                spec_verify_steps=stats.spec_steps,
-                spec_draft_tokens=stats.spec_draft_tokens,
-                spec_accepted_tokens=stats.spec_accepted_tokens,
+                avg_spec_accept_length=stats.spec.acceptance_length,
+                spec_verify_steps=stats.spec.steps,
+                spec_draft_tokens=stats.spec.draft_tokens,
+                spec_accepted_tokens=stats.spec.accepted_tokens,
             )
         return {"model_path": cfg.model or DEFAULT_MODEL_NAME, "internal_states": [state]}
 
@@ -166,5 +164,6 @@ def build_app(cluster: Cluster, cfg: GatewayConfig) -> FastAPI:
 
     app.include_router(chat_routes(cluster, model_name, tool_parser, reasoning))
     app.include_router(completion_routes(cluster, model_name))
+    app.include_router(native_routes(cluster, model_name, max_model_len))
     app.include_router(response_routes(cluster, model_name, tool_parser, reasoning))
     return app

@@ -19,6 +19,8 @@ from services.gateway.errors import APIError
 from services.gateway.respond import (
     choice_params,
     events,
+    include_usage,
+    openai_logprobs,
     raise_if_failed,
     respond,
     spec_metrics,
@@ -26,6 +28,7 @@ from services.gateway.respond import (
     usage,
 )
 from services.gateway.schema import ChatCompletionRequest, NamedToolChoice
+from shared.core.spec_stats import SpecStats
 from shared.parsers.reasoning import ReasoningParser
 from shared.parsers.tools import ToolCall, ToolParser
 from shared.protocol import TextDelta, TokenizeRequest
@@ -86,7 +89,7 @@ class ChatChoice:
         self.calls: list[ToolCall] = []
         self.completion_tokens = 0
         self.finish_reason: str | None = None
-        self.spec: dict[str, int] | None = None
+        self.spec: SpecStats | None = None
         if self.tools is not None and plan.call_prefix:
             self.tools.feed(plan.call_prefix)  # the forced call's start is output too
 
@@ -173,13 +176,10 @@ def chat_routes(
             for i in range(req.n)
         ]
         generation = await start(
-            cluster, model_name, "/v1/chat/completions", req, request_id, [choices]
+            cluster, model_name, "/v1/chat/completions", req.model, request_id, [choices]
         )
         outputs = {t.request_id: plan.choice(i) for i, (t, _) in enumerate(choices)}
         head = {"id": request_id, "created": int(time.time()), "model": model_name}
-
-        def stream(include_usage: bool) -> AsyncIterator[str]:
-            return _chat_stream(generation, outputs, head, req.logprobs, include_usage)
 
         async def collect() -> dict[str, Any]:
             messages: dict[str, list[dict[str, Any]]] = {rid: [] for rid in outputs}
@@ -187,7 +187,7 @@ def chat_routes(
             async for delta in generation.deltas():
                 raise_if_failed(delta.finish_reason, delta.error)
                 messages[delta.request_id].append(outputs[delta.request_id].feed(delta))
-                logprob_entries[delta.request_id] += delta.logprobs or []
+                logprob_entries[delta.request_id] += openai_logprobs(delta.logprobs)
             return {
                 **head,
                 "object": "chat.completion",
@@ -204,7 +204,10 @@ def chat_routes(
                 **spec_metrics(outputs.values()),
             }
 
-        return await respond(request, req, generation, stream, collect, request_id)
+        stream = None
+        if req.stream:
+            stream = _chat_stream(generation, outputs, head, req.logprobs, include_usage(req))
+        return await respond(request, generation, stream, collect, request_id)
 
     return router
 
@@ -233,7 +236,7 @@ def _chat_stream(
             "finish_reason": choice.finish_reason if finished else None,
         }
         if want_logprobs:
-            entry["logprobs"] = {"content": delta.logprobs or []}
+            entry["logprobs"] = {"content": openai_logprobs(delta.logprobs)}
         return entry
 
     head = {**head, "object": "chat.completion.chunk"}

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.bus import Bus, NoResponders
+from shared.core.spec_stats import SpecStats
 from shared.protocol import (
     ABORT,
     HEARTBEAT,
@@ -103,15 +104,13 @@ class ServerStats:
 
     def __init__(self) -> None:
         self.requests = self.generated_tokens = 0
-        self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        self.spec = SpecStats()
 
-    def add(self, tokens: int, spec: dict[str, int] | None) -> None:
+    def add(self, tokens: int, spec: SpecStats | None) -> None:
         self.requests += 1
         self.generated_tokens += tokens
-        if spec:
-            self.spec_steps += spec["steps"]
-            self.spec_draft_tokens += spec["draft_tokens"]
-            self.spec_accepted_tokens += spec["accepted_tokens"]
+        if spec is not None:
+            self.spec += spec
 
 
 class Generation:
@@ -284,7 +283,8 @@ class Cluster:
             left = request.params.max_tokens - len(resumed.token_ids)
             if left < 1:
                 raise Unavailable("its last tokens were lost")
-            params = dataclasses.replace(request.params, max_tokens=left)
+            output = len(resumed.token_ids)  # its grammar, if any, has followed them
+            params = dataclasses.replace(request.params, max_tokens=left, grammar_prefix=output)
             prompt_ids = request.prompt_ids + resumed.token_ids
             await self._place(request_id, prompt_ids, params, request.tokenizer_id, lost)
         except Exception as exc:

@@ -13,6 +13,7 @@ from services.gateway.cluster import Cluster, Generation
 from services.gateway.respond import (
     choice_params,
     events,
+    include_usage,
     raise_if_failed,
     respond,
     spec_metrics,
@@ -20,6 +21,7 @@ from services.gateway.respond import (
     usage,
 )
 from services.gateway.schema import CompletionRequest
+from shared.core.spec_stats import SpecStats
 from shared.protocol import TextDelta, TokenizeRequest
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -42,7 +44,7 @@ class CompletionChoice:
         self.offset = len(self.echo)  # where the next token's text starts
         self.completion_tokens = 0
         self.finish_reason: str | None = None
-        self.spec: dict[str, int] | None = None
+        self.spec: SpecStats | None = None
 
     def feed(self, delta: TextDelta) -> tuple[str, dict[str, list[Any]] | None]:
         """The text this output adds (the echo before the first), and its logprobs."""
@@ -59,12 +61,11 @@ class CompletionChoice:
             "text_offset": [],
         }
         for entry in delta.logprobs or []:
-            logprobs["tokens"].append(entry["token"])
-            logprobs["token_logprobs"].append(entry["logprob"])
-            top = {alt["token"]: alt["logprob"] for alt in entry["top_logprobs"]}
-            logprobs["top_logprobs"].append(top)
+            logprobs["tokens"].append(entry.text)
+            logprobs["token_logprobs"].append(entry.logprob)
+            logprobs["top_logprobs"].append({alt.text: alt.logprob for alt in entry.top})
             logprobs["text_offset"].append(self.offset)
-            self.offset += len(entry["token"])
+            self.offset += len(entry.text)
         return text, logprobs
 
 
@@ -94,7 +95,9 @@ def completion_routes(cluster: Cluster, model_name: str) -> APIRouter:
             ]
             for p, prompt in enumerate(req.prompts())
         ]
-        generation = await start(cluster, model_name, "/v1/completions", req, request_id, prompts)
+        generation = await start(
+            cluster, model_name, "/v1/completions", req.model, request_id, prompts
+        )
         outputs = {
             t.request_id: CompletionChoice(
                 p * req.n + i, req, generation.placements[t.request_id].prompt_text
@@ -103,9 +106,6 @@ def completion_routes(cluster: Cluster, model_name: str) -> APIRouter:
             for i, (t, _) in enumerate(choices)
         }
         head = {"id": request_id, "created": int(time.time()), "model": model_name}
-
-        def stream(include_usage: bool) -> AsyncIterator[str]:
-            return _completion_stream(generation, outputs, head, include_usage)
 
         async def collect() -> dict[str, Any]:
             texts: dict[str, list[str]] = {rid: [] for rid in outputs}
@@ -135,7 +135,10 @@ def completion_routes(cluster: Cluster, model_name: str) -> APIRouter:
                 **spec_metrics(outputs.values()),
             }
 
-        return await respond(request, req, generation, stream, collect, request_id)
+        stream = None
+        if req.stream:
+            stream = _completion_stream(generation, outputs, head, include_usage(req))
+        return await respond(request, generation, stream, collect, request_id)
 
     return router
 

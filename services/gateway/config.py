@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.config import model_name_of, model_option, option, secret_option
+from shared.parsers.reasoning import REASONING_PARSERS
+from shared.parsers.tools import TOOL_PARSERS
 
 
 @dataclass
@@ -17,10 +19,10 @@ class GatewayConfig:
         "require `Authorization: Bearer <key>` everywhere but /health and /metrics"
     )
     tool_call_parser: str | None = option(
-        None, "tool call format: hermes (qwen25), llama3_json or mistral"
+        None, "the model's tool call format", choices=sorted(TOOL_PARSERS)
     )
     reasoning_parser: str | None = option(
-        None, "split reasoning into reasoning_content: deepseek_r1, qwen3 or mistral"
+        None, "split reasoning into reasoning_content", choices=sorted(REASONING_PARSERS)
     )
     max_pending_requests: int = option(
         256, "sequences in flight at this gateway before new requests get 429"

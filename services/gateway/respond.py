@@ -18,7 +18,8 @@ from services.gateway.cluster import Cluster, Generation, Overloaded, Placement,
 from services.gateway.errors import APIError, error_body
 from services.gateway.schema import GenerationRequest
 from shared.bus import BusError
-from shared.protocol import ProtocolError, RemoteError, TextDelta
+from shared.core.spec_stats import SpecStats
+from shared.protocol import ProtocolError, RemoteError, TextDelta, TokenLogprob
 from shared.sampling.params import SamplingParams
 
 tracer = trace.get_tracer("specmesh.gateway")
@@ -30,13 +31,14 @@ async def start(
     cluster: Cluster,
     model_name: str,
     route: str,
-    req: GenerationRequest,
+    model: str | None,
     request_id: str,
     prompts: list[list[Any]],
 ) -> Generation:
-    """Start the request's sequences, errors turned into API errors."""
-    if req.model not in (None, "", model_name):
-        raise APIError(404, f"model {req.model!r} not found", "model")
+    """Start the request's sequences (for the `model` it names), errors turned into API
+    errors."""
+    if model not in (None, "", model_name):
+        raise APIError(404, f"model {model!r} not found", "model")
     try:
         # Below the request's own span (access.py), tagged with its id: traces are found by it.
         attributes = {"specmesh.request_id": request_id}
@@ -69,21 +71,22 @@ def raise_if_failed(finish_reason: str | None, error: str | None) -> None:
         raise APIError(500, error or "generation failed")
 
 
+def include_usage(req: GenerationRequest) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
 async def respond(
     request: Request,
-    req: GenerationRequest,
     generation: Generation,
-    stream: Callable[[bool], AsyncIterator[str]],
-    collect: Callable[[], Coroutine[Any, Any, dict[str, Any]]],
+    stream: AsyncIterator[str] | None,
+    collect: Callable[[], Coroutine[Any, Any, Any]],
     request_id: str,
 ) -> Response:
-    """SSE when the request streams (`stream(include_usage)`), else the collected JSON,
-    unless the client leaves first (then abort the work); `x-request-id` either way."""
+    """The SSE `stream` if the request streams, else the collected JSON, unless the client
+    leaves first (then abort the work); `x-request-id` either way."""
     headers = {"x-request-id": request_id}
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = stream(include_usage)
-        return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+    if stream is not None:
+        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
     task = asyncio.create_task(collect())
     try:
         while True:
@@ -113,29 +116,37 @@ def usage(generation: Generation, choices: Any) -> dict[str, Any]:
     }
 
 
-def acceptance_length(steps: int, accepted: int) -> float:
-    """Tokens per verify step: the accepted drafts plus the target's own token."""
-    return 1 + accepted / steps if steps else 0.0
+def spec_totals(choices: Any) -> SpecStats | None:
+    """Speculation over the request's choices (None: none speculated)."""
+    specs = [c.spec for c in choices if c.spec is not None]
+    return sum(specs, SpecStats()) if specs else None
 
 
 def spec_metrics(choices: Any) -> dict[str, Any]:
     """Speculation over the request's choices, under the names aiperf reads."""
-    specs = [c.spec for c in choices if c.spec]
-    if not specs:
+    spec = spec_totals(choices)
+    if spec is None:
         return {}
-    totals = {key: sum(s[key] for s in specs) for key in specs[0]}
-    steps, drafted, accepted = totals["steps"], totals["draft_tokens"], totals["accepted_tokens"]
     return {
         "metrics": {
             "speculative_decoding": {
-                "num_spec_steps": steps,
-                "num_draft_tokens": drafted,
-                "num_accepted_draft_tokens": accepted,
-                "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
-                "mean_acceptance_length": acceptance_length(steps, accepted),
+                "num_spec_steps": spec.steps,
+                "num_draft_tokens": spec.draft_tokens,
+                "num_accepted_draft_tokens": spec.accepted_tokens,
+                "draft_acceptance_rate": spec.acceptance_rate,
+                "mean_acceptance_length": spec.acceptance_length,
             }
         }
     }
+
+
+def openai_logprobs(entries: list[TokenLogprob] | None) -> list[dict[str, Any]]:
+    """Logprob entries in the chat API's shape (`content` items)."""
+
+    def item(entry: TokenLogprob) -> dict[str, Any]:
+        return {"token": entry.text, "logprob": entry.logprob, "bytes": list(entry.text.encode())}
+
+    return [{**item(e), "top_logprobs": [item(t) for t in e.top]} for e in entries or []]
 
 
 def _sse(body: dict[str, Any] | str) -> str:

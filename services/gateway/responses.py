@@ -111,6 +111,26 @@ class NamedFunctionChoice(Body):
     name: str
 
 
+class TextFormat(Body):
+    """`text.format`: free text, any JSON object, or JSON matching `schema`."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    def chat_format(self) -> dict[str, Any] | None:
+        """Chat's `response_format` for it."""
+        if self.type != "json_schema":
+            return {"type": self.type}
+        schema = {"name": self.name or "response", "schema": self.schema_, "strict": self.strict}
+        return {"type": "json_schema", "json_schema": schema}
+
+
+class TextOptions(Body):
+    format: TextFormat = TextFormat()
+
+
 class ReasoningOptions(Body):
     effort: ReasoningEffort | None = None
     summary: str | None = None
@@ -130,6 +150,7 @@ class ResponsesRequest(Body):
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool = True
     reasoning: ReasoningOptions | None = None
+    text: TextOptions | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
     store: bool | None = None  # accepted; nothing is stored
@@ -157,6 +178,7 @@ class ResponsesRequest(Body):
             "tool_choice": _chat_tool_choice(self.tool_choice),
             "parallel_tool_calls": self.parallel_tool_calls,
             "reasoning_effort": self.reasoning.effort if self.reasoning else None,
+            "response_format": self.text.format.chat_format() if self.text else None,
             "user": self.user,
         }
         try:
@@ -365,7 +387,7 @@ def _head(
         "user": req.user,
         "store": False,
         "background": False,
-        "text": {"format": {"type": "text"}},
+        "text": (req.text or TextOptions()).model_dump(by_alias=True, exclude_none=True),
     }
 
 
@@ -450,7 +472,7 @@ def response_routes(
         request_id = f"resp_{uuid.uuid4().hex}"
         params = chat.sampling_params(chat.max_completion_tokens or 0, None)
         work = (plan.tokenize_request(f"{request_id}-0", []), params)
-        generation = await start(cluster, model_name, ROUTE, chat, request_id, [[work]])
+        generation = await start(cluster, model_name, ROUTE, chat.model, request_id, [[work]])
         events = _events(generation, plan.choice(0), _head(req, request_id, model_name, params))
 
         async def collect() -> dict[str, Any]:
@@ -460,9 +482,7 @@ def response_routes(
                 raise APIError(500, last["response"]["error"]["message"])
             return last["response"]
 
-        def stream(_include_usage: bool) -> AsyncIterator[str]:  # the last event has it
-            return _sse(events, generation)
-
-        return await respond(request, chat, generation, stream, collect, request_id)
+        stream = _sse(events, generation) if req.stream else None  # its last event has usage
+        return await respond(request, generation, stream, collect, request_id)
 
     return router

@@ -3,6 +3,7 @@ make the OpenAPI schema). Unknown extra fields are tolerated, as OpenAI does."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -13,6 +14,7 @@ from shared.sampling.params import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    Grammar,
     SamplingParams,
 )
 
@@ -107,6 +109,15 @@ class ResponseFormat(Body):
             raise ValueError("response_format json_schema needs a json_schema object")
         return self
 
+    def grammar(self) -> Grammar | None:
+        """What the output must match (None: free text)."""
+        if self.type == "text":
+            return None
+        schema = self.json_schema.schema_ if self.json_schema else None
+        if schema is None:
+            return Grammar("json_object")
+        return Grammar("json_schema", json.dumps(schema))
+
 
 class GenerationRequest(Body):
     """Fields chat and completions share."""
@@ -128,12 +139,26 @@ class GenerationRequest(Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    regex: str | None = None  # SGLang's: the output matches this regex
+    ebnf: str | None = None  # SGLang's: the output matches this EBNF (GBNF) grammar
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> GenerationRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        formats = self.response_format is not None and self.response_format.type != "text"
+        if formats + (self.regex is not None) + (self.ebnf is not None) > 1:
+            raise ValueError("give at most one of response_format, regex and ebnf")
         return self
+
+    def grammar(self) -> Grammar | None:
+        """What the output must match, if anything."""
+        if self.regex is not None:
+            return Grammar("regex", self.regex)
+        if self.ebnf is not None:
+            return Grammar("ebnf", self.ebnf)
+        return self.response_format.grammar() if self.response_format else None
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -158,6 +183,7 @@ class GenerationRequest(Body):
             max_tokens=max_tokens,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            grammar=self.grammar(),
         )
 
 
@@ -169,7 +195,6 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    response_format: ResponseFormat | None = None
     reasoning_effort: ReasoningEffort | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 

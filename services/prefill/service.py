@@ -121,6 +121,7 @@ class PrefillService(EngineService):
     async def start(self) -> None:
         await self.bus.serve(PREFILL, self.prefill, queue="prefill", concurrent=True)
         await self.bus.serve(ABORT, self.abort)
+        await self.serve_flush()
 
     async def drain(self) -> None:
         await self.bus.stop_serving(PREFILL)  # the queue group's other instances take over
@@ -155,7 +156,8 @@ class PrefillService(EngineService):
 
     async def _prefill(self, req: PrefillRequest) -> PrefillReply:
         engine = self.engine
-        engine.check_request(req.prompt_ids, req.params)  # with the real max_tokens
+        # With the real max_tokens; off the loop, as a grammar may take a while to compile.
+        await asyncio.to_thread(engine.check_request, req.prompt_ids, req.params)
         exchange = engine.kv_exchange
         bs = engine.block_manager.block_size
         keys = exchange.keys(req.prompt_ids)

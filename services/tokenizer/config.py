@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from shared.config import model_option
+from shared.config import model_option, option
 
 
 @dataclass
 class TokenizerConfig:
     model: str | None = model_option()
+    chat_template: str | None = option(
+        None, "a Jinja chat template file to use instead of the model's own"
+    )
+
+    def __post_init__(self) -> None:
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ValueError(f"--chat-template {self.chat_template}: no such file")

@@ -18,8 +18,14 @@ from shared.model.fetch import resolve_model
 from shared.parsers.tools import ToolParser, make_tool_parser
 from shared.protocol import (
     ABORT,
+    DECODE,
+    ENCODE,
     TOKENIZE,
     Abort,
+    DecodeReply,
+    DecodeRequest,
+    EncodeReply,
+    EncodeRequest,
     ResumeReply,
     ResumeRequest,
     TextDelta,
@@ -28,6 +34,7 @@ from shared.protocol import (
     TokenBatches,
     TokenizeReply,
     TokenizeRequest,
+    TokenLogprob,
     detok_subject,
     gateway_subject,
     resume_subject,
@@ -53,19 +60,22 @@ class TokenizerService(Service):
 
     def __init__(self, cfg: ServiceConfig, tcfg: TokenizerConfig) -> None:
         super().__init__(cfg)
-        self.tokenizer = Tokenizer(resolve_model(tcfg.model))
+        self.tokenizer = Tokenizer(resolve_model(tcfg.model), tcfg.chat_template)
         self.streams: dict[str, Output] = {}
         self.outbox: Outbox  # once the bus is connected
 
     async def start(self) -> None:
         self.outbox = Outbox(self.bus, lambda deltas: TextDeltas(deltas=deltas))
         await self.bus.serve(TOKENIZE, self.tokenize, queue="tokenizer")
+        await self.bus.serve(ENCODE, self.encode, queue="tokenizer")
+        await self.bus.serve(DECODE, self.decode, queue="tokenizer")
         await self.bus.serve(detok_subject(self.instance_id), self.detokenize)
         await self.bus.serve(resume_subject(self.instance_id), self.resume)
         await self.bus.serve(ABORT, self.abort)
 
     async def drain(self) -> None:
-        await self.bus.stop_serving(TOKENIZE)  # the queue group's other instances take over
+        for subject in (TOKENIZE, ENCODE, DECODE):  # the queue group's others take over
+            await self.bus.stop_serving(subject)
         while self.streams:  # the output of requests in flight still comes here
             await asyncio.sleep(0.1)
 
@@ -81,9 +91,7 @@ class TokenizerService(Service):
             text, ids = req.prompt, self.tokenizer.encode(req.prompt, add_special_tokens=True)
         elif req.prompt_ids is not None:
             ids = list(req.prompt_ids)
-            vocab = self.tokenizer.vocab_size
-            if not all(0 <= i < vocab for i in ids):
-                raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            self.tokenizer.check_ids(ids)
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
         else:
             raise ValueError("nothing to tokenize: give messages, a prompt or prompt ids")
@@ -91,6 +99,16 @@ class TokenizerService(Service):
         self.streams[req.request_id] = Output(stream, req.output_subject)
         ACTIVE_REQUESTS.labels(self.kind).set(len(self.streams))
         return TokenizeReply(prompt_ids=ids, tokenizer_id=self.instance_id, prompt_text=text)
+
+    async def encode(self, req: EncodeRequest) -> EncodeReply:
+        encode = self.tokenizer.encode
+        return EncodeReply(token_ids=[encode(t, req.add_special_tokens) for t in req.texts])
+
+    async def decode(self, req: DecodeRequest) -> DecodeReply:
+        for ids in req.token_ids:
+            self.tokenizer.check_ids(ids)
+        decode = self.tokenizer.decode
+        return DecodeReply(texts=[decode(ids, req.skip_special_tokens) for ids in req.token_ids])
 
     def chat_prompt(self, req: TokenizeRequest) -> str:
         """The chat as prompt text. A template that does not take tools or tool calls
@@ -156,6 +174,7 @@ class TokenizerService(Service):
             request_id=batch.request_id,
             text=text,
             num_tokens=used,
+            token_ids=batch.token_ids[:used],
             logprobs=logprobs if batch.logprobs is not None else None,
             finish_reason=finish,
             num_prompt_tokens=batch.num_prompt_tokens,
@@ -172,12 +191,14 @@ class TokenizerService(Service):
 
     def _logprob_entry(
         self, token: int, logprob: float, top: list[tuple[int, float]]
-    ) -> dict[str, Any]:
-        def item(token_id: int, lp: float) -> dict[str, Any]:
+    ) -> TokenLogprob:
+        def item(token_id: int, lp: float) -> TokenLogprob:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+            return TokenLogprob(token_id=token_id, text=text, logprob=lp)
 
-        return {**item(token, logprob), "top_logprobs": [item(t, lp) for t, lp in top]}
+        entry = item(token, logprob)
+        entry.top = [item(t, lp) for t, lp in top]
+        return entry
 
 
 def _calls_as_text(message: dict[str, Any], parser: ToolParser) -> dict[str, Any]:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shared.sampling.params import SamplingParams
+
+if TYPE_CHECKING:  # the grammar module builds on core types
+    from shared.sampling.grammar import GrammarMatcher
 
 
 @dataclass
@@ -38,6 +42,7 @@ class Sequence:
     lane: int = 0  # overlapped speculation: which of the two alternating batches
     # K/V of a prefix computed elsewhere (prefill service), loaded instead of computed.
     remote_kv: RemotePrefix | None = None
+    grammar: GrammarMatcher | None = None  # where its output is in `params.grammar`
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

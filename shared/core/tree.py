@@ -36,6 +36,14 @@ class DraftTree:
             depth[i] = depth[self.parents[i]] + 1
         return depth
 
+    def path_tokens(self, node: int) -> list[int]:
+        """The tokens from the root down to `node`."""
+        path = []
+        while node >= 0:
+            path.append(self.tokens[node])
+            node = self.parents[node]
+        return path[::-1]
+
     def ancestor_mask(self) -> torch.Tensor:
         return ancestor_mask(self.parents)
 

@@ -14,6 +14,8 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import Future
+from typing import TypeVar
 
 from shared.core.sequence import RemotePrefix
 from shared.engine.engine import FirstToken, LLMEngine, TokenOutput
@@ -21,6 +23,7 @@ from shared.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 _Item = list[TokenOutput] | Exception  # a step's tokens for a request, or its failure
 _Queue = asyncio.Queue[_Item]
 _Stream = tuple[asyncio.AbstractEventLoop, _Queue]
@@ -45,6 +48,19 @@ class AsyncEngine:
             self._inbox.append(command)
         self._wake.set()
 
+    async def call(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the step loop's thread, between steps (the engine is not thread-safe)."""
+        done: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                done.set_result(fn())
+            except Exception as exc:
+                done.set_exception(exc)
+
+        self._post(run)
+        return await asyncio.wrap_future(done)
+
     async def generate(
         self,
         request_id: str,
@@ -56,7 +72,8 @@ class AsyncEngine:
         """Stream the request's tokens, each step's together (several when drafts were
         accepted). Raises ValueError for a request that cannot run; leaving the
         iteration early (client gone) aborts the request. See LLMEngine.add_request."""
-        self.engine.check_request(prompt_ids, params)
+        # Off this loop: compiling a large grammar must not hold up other requests' output.
+        await asyncio.to_thread(self.engine.check_request, prompt_ids, params)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         queue: _Queue = asyncio.Queue()

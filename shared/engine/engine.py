@@ -11,16 +11,26 @@ from pathlib import Path
 
 import torch
 
-from shared.config import model_option, option, resolve_device, resolve_dtype
+from shared.config import (
+    device_option,
+    dtype_option,
+    model_option,
+    option,
+    resolve_device,
+    resolve_dtype,
+)
 from shared.core.sequence import RemotePrefix, Sequence, SequenceStatus
+from shared.core.spec_stats import SpecStats
 from shared.core.tree import DraftTree
 from shared.engine.scheduler import Scheduler
-from shared.engine.speculation import PendingDrafts, SpecStats, Speculator, StepCosts
+from shared.engine.speculation import PendingDrafts, Speculator, StepCosts
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.exchange import KVExchange, feature_tag
 from shared.kvcache.kv_cache import KVCache
+from shared.model.attention import ATTENTION_BACKENDS
 from shared.model.loader import load_model
 from shared.runner.model_runner import ModelRunner
+from shared.sampling.grammar import GrammarCompiler
 from shared.sampling.params import SamplingParams
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.drafter import Drafter
@@ -34,8 +44,8 @@ class EngineConfig:
     """Engine settings; each field is also a command-line option (see shared.config)."""
 
     model: str = model_option()
-    device: str | None = option(None, "cpu, cuda, cuda:N (default: cuda when available)")
-    dtype: str | None = option(None, "float32, bfloat16, float16 (default: fp32 CPU, bf16 GPU)")
+    device: str | None = device_option()
+    dtype: str | None = dtype_option()
     block_size: int = option(16, "tokens per KV-cache block", aliases=("--page-size",))
     kv_cache_gb: float = option(1.0, "memory for the KV cache, GiB")
     max_num_seqs: int = option(
@@ -49,7 +59,10 @@ class EngineConfig:
         "context limit (default: the model's, capped by the cache)",
         aliases=("--context-length",),
     )
-    attention_backend: str = option("torch", "attention implementation")
+    attention_backend: str = option("torch", "attention implementation", choices=ATTENTION_BACKENDS)
+    random_seed: int | None = option(
+        None, "seed for sampling the requests that bring no seed of their own (default: random)"
+    )
 
 
 @dataclass
@@ -104,6 +117,8 @@ class LLMEngine:
         `overlap`, sequences alternate between two batches, and one batch's drafts are
         made while the other is verified (useful when the drafter is another process)."""
         self.cfg = cfg
+        if cfg.random_seed is not None:  # unseeded requests draw from torch's default generator
+            torch.manual_seed(cfg.random_seed)
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
         if cfg.model is None:
@@ -117,6 +132,7 @@ class LLMEngine:
             self.kv_cache.num_blocks * cfg.block_size,
         )
         self.eos_token_ids = set(mcfg.eos_token_ids) | _generation_eos(Path(cfg.model))
+        self._grammars: GrammarCompiler | None = None  # built by the first constrained request
         self.block_manager = BlockManager(self.kv_cache.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache)
@@ -173,6 +189,20 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         if params.top_k > vocab:
             raise ValueError(f"top_k must be at most the vocabulary size ({vocab})")
+        if params.grammar is not None:
+            self.grammars.compile(params.grammar)
+        if params.grammar_prefix > len(prompt_ids):
+            raise ValueError("grammar_prefix is longer than the prompt")
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The model's grammar compiler (its vocabulary, the grammars compiled for it)."""
+        if self._grammars is None:
+            model = Path(self.cfg.model)
+            tokenizer = (model if model.is_dir() else model.parent) / "tokenizer.json"
+            vocab, eos = self.model.config.vocab_size, sorted(self.eos_token_ids)
+            self._grammars = GrammarCompiler(tokenizer, vocab, eos)
+        return self._grammars
 
     def add_request(
         self,
@@ -191,6 +221,10 @@ class LLMEngine:
             raise ValueError("this engine has no KV transport to load a prefilled prompt from")
         seq = Sequence(request_id, list(prompt_ids), params)
         seq.remote_kv, seq.lane = remote_kv, self._next_lane
+        if params.grammar is not None:
+            seq.grammar = self.grammars.matcher(params.grammar)
+            for token in prompt_ids[len(prompt_ids) - params.grammar_prefix :]:
+                seq.grammar.accept(token)
         self._next_lane ^= self.overlap
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
@@ -214,6 +248,8 @@ class LLMEngine:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
         if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+            return "stop"
+        if seq.grammar is not None and seq.grammar.finished:  # nothing may follow
             return "stop"
         if len(seq) - seq.num_prompt_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
             return "length"
@@ -358,6 +394,8 @@ class LLMEngine:
         outputs = []
         for token in tokens:
             seq.token_ids.append(token)
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
             reason = self._finish_reason(seq, token)
             outputs.append(
                 TokenOutput(

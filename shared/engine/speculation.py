@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.core.sequence import Sequence, SequenceStatus
+from shared.core.spec_stats import SpecStats
 from shared.core.tree import DraftTree
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.kv_cache import KVCache
@@ -26,32 +27,6 @@ from shared.sampling.sampler import has_penalties, to_probs
 from shared.speculative.accept import accept_greedy, accept_sampling
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.drafter import Drafter, DraftRequest
-
-
-@dataclass
-class SpecStats:
-    steps: int = 0  # verification steps
-    draft_tokens: int = 0  # draft nodes verified
-    accepted_tokens: int = 0  # draft tokens accepted
-
-    @property
-    def acceptance_length(self) -> float:
-        """Tokens emitted per verification step (accepted drafts + the bonus token)."""
-        return 1.0 + self.accepted_tokens / self.steps if self.steps else 0.0
-
-    def add(self, drafts: int, accepted: int) -> None:
-        self.steps += 1
-        self.draft_tokens += drafts
-        self.accepted_tokens += accepted
-
-    def since(self, earlier: SpecStats) -> SpecStats:
-        """What these running totals gained after `earlier`, a copy of them."""
-        return SpecStats(
-            self.steps - earlier.steps,
-            self.draft_tokens - earlier.draft_tokens,
-            self.accepted_tokens - earlier.accepted_tokens,
-        )
-
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +187,10 @@ class Speculator:
         """Accept a path of `tree` given the target's logits (and features) at its nodes;
         commit the path's K/V. Returns the tokens to emit (accepted drafts, then bonus)."""
         params = seq.params
+        if seq.grammar is not None:  # drafts the grammar forbids are never accepted
+            paths = [tree.path_tokens(node)[1:] for node in range(len(tree))]  # root: followed
+            masks = seq.grammar.masks_after(paths).to(logits.device)
+            logits = logits.masked_fill(~masks, float("-inf"))
         if params.greedy:
             path, emitted = accept_greedy(tree, logits.argmax(dim=-1).tolist())
         else:

@@ -57,6 +57,20 @@ class BlockManager:
         block.hash, block.tokens, block.ref_count = None, [], 1
         return block
 
+    def flush(self) -> int:
+        """Forget the prefix cache held by free blocks (blocks in use keep theirs, so
+        running requests are untouched); how many blocks forgot their prefix."""
+        forgotten = 0
+        for block_id in self.free_ids:
+            block = self.blocks[block_id]
+            if block.hash is None:
+                continue
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash, block.tokens = None, []
+            forgotten += 1
+        return forgotten
+
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding a prefix of `seq`. The last token is never covered,
         because its logits must be computed."""

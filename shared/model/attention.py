@@ -147,6 +147,7 @@ class TorchAttention:
 
 # GPU backends are imported by name only when chosen, so CPU use never needs them.
 _BACKENDS = {"torch": "shared.model.attention:TorchAttention"}
+ATTENTION_BACKENDS = tuple(_BACKENDS)
 
 
 def get_attention_backend(name: str = "torch") -> AttentionBackend:

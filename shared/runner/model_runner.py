@@ -24,6 +24,17 @@ class StepOutput:
     features: dict[Sequence, torch.Tensor]  # per sequence, features of its input rows
 
 
+def allowed_logits(logits: torch.Tensor, sampled: list[Sequence]) -> torch.Tensor:
+    """[n, vocab] logits with what each row's grammar forbids next at -inf."""
+    if all(seq.grammar is None for seq in sampled):
+        return logits
+    allowed = torch.ones_like(logits, dtype=torch.bool)
+    for i, seq in enumerate(sampled):
+        if seq.grammar is not None:
+            allowed[i] = seq.grammar.allowed()
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache) -> None:
         pack_linears(model)  # a runner only infers
@@ -120,7 +131,7 @@ class ModelRunner:
                 n = len(trees[seq]) if seq in trees else num
                 features[seq] = rows[first_row[seq] : first_row[seq] + n]
         samples = self.sampler.sample(
-            logits[: len(sample_rows)],
+            allowed_logits(logits[: len(sample_rows)], sampled),
             [s.params for s in sampled],
             [s.prompt_ids for s in sampled],
             [s.output_ids for s in sampled],

@@ -12,6 +12,18 @@ MAX_STOP_TOKEN_IDS = 1024
 INT32_MAX = 2**31 - 1  # token ids and top_k; the engine checks them against the vocabulary
 
 
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf", "lark")
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a request's output must match: any JSON object, a JSON schema (its JSON text),
+    a regex, an EBNF grammar (SGLang's GBNF dialect) or a Lark grammar (llguidance's)."""
+
+    kind: str
+    source: str = ""
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
@@ -26,6 +38,10 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    grammar: Grammar | None = None  # constrained decoding (shared/sampling/grammar.py)
+    # The prompt's last tokens that are output already (a request that moved to another
+    # decode worker): the grammar has followed them.
+    grammar_prefix: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -64,3 +80,7 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}"
             )
+        if not (isinstance(self.grammar_prefix, int) and self.grammar_prefix >= 0):
+            raise ValueError(f"grammar_prefix must be >= 0, got {self.grammar_prefix}")
+        if self.grammar is not None and self.grammar.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}")

@@ -25,7 +25,9 @@ def shipped_drafter(model: str | None, algorithm: str) -> str | None:
 class SpeculativeConfig:
     """Each field is also a command-line option (`--speculative-...`)."""
 
-    speculative_algorithm: str | None = option(None, f"one of {', '.join(ALGORITHMS)}; unset: off")
+    speculative_algorithm: str | None = option(
+        None, "speculative decoding algorithm (unset: off)", choices=ALGORITHMS
+    )
     speculative_draft_model_path: str | None = option(
         None,
         "draft LM (STANDALONE) or head (EAGLE, EAGLE3; unset on the default model: the "
@@ -50,7 +52,9 @@ class SpeculativeConfig:
     )
     speculative_ngram_min_bfs_breadth: int = option(1, "NGRAM: branching at the deepest level")
     speculative_ngram_max_bfs_breadth: int = option(8, "NGRAM: branching at the first level")
-    speculative_ngram_match_type: str = option("BFS", "NGRAM: BFS (recency) or PROB (frequency)")
+    speculative_ngram_match_type: str = option(
+        "BFS", "NGRAM: BFS (recency) or PROB (frequency)", choices=("BFS", "PROB")
+    )
     speculative_ngram_max_trie_depth: int = option(12, "NGRAM: longest n-gram remembered")
     speculative_ngram_capacity: int = option(1_000_000, "NGRAM: shared-trie nodes before reset")
     speculative_adaptive: bool = option(

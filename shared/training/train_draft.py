@@ -54,7 +54,7 @@ TRAINABLE = ("EAGLE3", "EAGLE")
 class TrainDraftConfig:
     """Each field is also a `specmesh train-draft` option."""
 
-    algorithm: str = option("EAGLE3", "drafter to train: EAGLE3 or EAGLE")
+    algorithm: str = option("EAGLE3", "drafter to train", choices=("EAGLE3", "EAGLE"))
     target: str | None = model_option()
     out: str | None = option(None, "output directory (the head, plus resumable work files)")
     data: str | None = option(

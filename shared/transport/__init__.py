@@ -50,7 +50,9 @@ DEFAULT_KV_NAMESPACE = "specmesh"
 
 @dataclass
 class TransportConfig:
-    kv_transport: str = option("shm", "KV transport: shm (one host) or redis (across hosts)")
+    kv_transport: str = option(
+        "shm", "KV transport: shm (one host) or redis (across hosts)", choices=("shm", "redis")
+    )
     redis_url: str | None = option(
         None, "redis://host:port of the KV store (--kv-transport redis; rediss:// for TLS)"
     )

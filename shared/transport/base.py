@@ -43,5 +43,9 @@ class KVTransport(abc.ABC):
         """Remove the keys; missing keys are ignored."""
 
     @abc.abstractmethod
+    def clear(self) -> None:
+        """Remove every block of this namespace (a prefix-cache flush)."""
+
+    @abc.abstractmethod
     def close(self) -> None:
         """Release connections; stored blobs stay for other processes."""

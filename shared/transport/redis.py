@@ -120,5 +120,11 @@ class RedisTransport(KVTransport):
         with self._errors():
             self._client.delete(*(self._name(k) for k in keys))
 
+    def clear(self) -> None:
+        with self._errors():
+            names = list(self._client.scan_iter(match=f"{self.namespace}:*", count=1000))
+            for start in range(0, len(names), 1000):
+                self._client.unlink(*names[start : start + 1000])
+
     def close(self) -> None:
         self._client.close()

@@ -176,6 +176,13 @@ class ShmTransport(KVTransport):
                 except FileNotFoundError:
                     continue
 
+    def clear(self) -> None:
+        with os.scandir(self.dir) as entries:
+            for entry in entries:
+                if not entry.name.startswith("."):  # a writer's temporary file is its own
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
+
     def close(self) -> None:
         """Nothing to release: no handles stay open between calls."""
 

@@ -1,0 +1,118 @@
+"""Grammar-constrained decoding, with llguidance.
+
+A request's `Grammar` is compiled once per distinct grammar (`GrammarCompiler`: an LRU
+cache of llguidance grammars, each validated against the model's vocabulary, so a bad
+schema or an unsupported regex is a ValueError before anything runs). Each sequence gets
+a `GrammarMatcher` that follows the tokens it emits and says which may come next: a mask
+over the vocabulary, applied to the logits before sampling. For a draft tree,
+`masks_after` gives the mask after every node's path, so verification never accepts a
+draft the grammar forbids and the bonus token is drawn from the masked distribution:
+constrained output is the same with speculation as without.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import llguidance as llg
+import torch
+from llguidance.gbnf_to_lark import gbnf_to_lark
+
+from shared.sampling.params import Grammar
+
+CACHE_SIZE = 256  # compiled grammars kept
+# JSON as json.dumps writes it, on one line: the layout models know best, in few tokens.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def llguidance_grammar(grammar: Grammar) -> str:
+    """llguidance's grammar for `grammar` (not validated yet)."""
+    try:
+        if grammar.kind == "json_object":
+            return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_LAYOUT)
+        if grammar.kind == "json_schema":
+            return llg.LLMatcher.grammar_from_json_schema(grammar.source, JSON_LAYOUT)
+        if grammar.kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(grammar.source)
+        if grammar.kind == "ebnf":
+            return llg.LLMatcher.grammar_from_lark(gbnf_to_lark(grammar.source))
+        return llg.LLMatcher.grammar_from_lark(grammar.source)
+    except Exception as exc:  # malformed JSON, or GBNF (its converter raises bare Exception)
+        raise ValueError(f"invalid {grammar.kind} grammar: {exc}") from None
+
+
+class GrammarCompiler:
+    """The model's vocabulary as llguidance sees it, and the grammars compiled for it."""
+
+    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: list[int]) -> None:
+        if not tokenizer_json.is_file():
+            raise ValueError(f"constrained decoding needs the model's {tokenizer_json.name}")
+        self.vocab_size = vocab_size
+        self.tokenizer = llg.LLTokenizer(
+            tokenizer_json.read_text(), n_vocab=vocab_size, eos_token=eos_token_ids
+        )
+        self._compiled: OrderedDict[Grammar, str] = OrderedDict()
+        self._lock = threading.Lock()  # services check requests off the engine's thread
+
+    def compile(self, grammar: Grammar) -> str:
+        """The validated llguidance grammar; ValueError says what is wrong with it."""
+        with self._lock:
+            if (compiled := self._compiled.get(grammar)) is not None:
+                self._compiled.move_to_end(grammar)
+                return compiled
+        compiled = llguidance_grammar(grammar)
+        if error := llg.LLMatcher.validate_grammar(compiled, self.tokenizer):
+            raise ValueError(f"invalid {grammar.kind} grammar: {error.strip()}")
+        with self._lock:
+            self._compiled[grammar] = compiled
+            if len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def matcher(self, grammar: Grammar) -> GrammarMatcher:
+        return GrammarMatcher(self, self.compile(grammar))
+
+
+class GrammarMatcher:
+    """One sequence's place in its grammar."""
+
+    def __init__(self, compiler: GrammarCompiler, compiled: str) -> None:
+        self.vocab_size = compiler.vocab_size
+        self.matcher = llg.LLMatcher(compiler.tokenizer, compiled, log_level=0)
+        self._check()
+
+    def _check(self) -> None:
+        if self.matcher.is_error():
+            raise ValueError(f"grammar: {self.matcher.get_error()}")
+
+    def allowed(self) -> torch.Tensor:
+        """[vocab] bool: the tokens that may come next."""
+        bias = self.matcher.compute_logit_bias()  # one byte per token: 0 or 200
+        allowed = torch.frombuffer(bytearray(bias), dtype=torch.uint8) != 0
+        if len(allowed) < self.vocab_size:  # model rows past the tokenizer's vocabulary
+            allowed = torch.cat([allowed, allowed.new_zeros(self.vocab_size - len(allowed))])
+        return allowed[: self.vocab_size]
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete and allows nothing more (not even EOS)."""
+        return self.matcher.is_stopped()
+
+    def accept(self, token: int) -> None:
+        """Follow an emitted token (one the mask allowed)."""
+        self.matcher.consume_token(token)
+        self._check()
+
+    def masks_after(self, paths: list[list[int]]) -> torch.Tensor:
+        """[len(paths), vocab] bool: what may follow each path of tokens from here (a
+        draft tree's nodes). A path that leaves the grammar is never reached by acceptance:
+        its row allows everything. The matcher's own state is left as it was."""
+        rows = []
+        for path in paths:
+            taken = self.matcher.try_consume_tokens(path)
+            reached = taken == len(path)
+            rows.append(self.allowed() if reached else torch.ones(self.vocab_size, dtype=bool))
+            self.matcher.rollback(taken)
+        return torch.stack(rows)
