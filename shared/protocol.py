@@ -134,7 +134,6 @@ class TokenizeRequest(Message, kw_only=True):
     stop: list[str] | None = None  # the tokenizer instance keeps them for detokenizing
     tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, for the template
     tool_parser: str | None = None  # the call format, for templates that do not take tools
-    assistant_prefix: str = ""  # appended after the generation prompt (forces a tool call)
     output_subject: str = ""  # the gateway's: its requests end if it goes away
 
 

@@ -68,17 +68,27 @@ def _token_text(value: Any) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
+def _tokenizer_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "tokenizer_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def read_chat_template(model_dir: Path, override: str | Path | None = None) -> str | None:
+    """The chat template: `override`'s file, else the model's own (chat_template.jinja or
+    tokenizer_config.json), None if it has none."""
+    path = Path(override or model_dir / "chat_template.jinja")
+    if path.is_file():
+        return path.read_text()
+    return _tokenizer_config(model_dir).get("chat_template")
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path, chat_template: str | Path | None = None) -> None:
         """`chat_template`: a Jinja file that replaces the model's own template."""
         model_dir = Path(model_dir)
         self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
-        config_path = model_dir / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        template_path = Path(chat_template or model_dir / "chat_template.jinja")
-        template = (
-            template_path.read_text() if template_path.exists() else config.get("chat_template")
-        )
+        config = _tokenizer_config(model_dir)
+        template = read_chat_template(model_dir, chat_template)
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None

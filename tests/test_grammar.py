@@ -1,6 +1,7 @@
-"""Grammar-constrained decoding (shared/sampling/grammar.py) on the real SmolLM2: grammars
+"""What requests do to the logits, on the real SmolLM2: grammars (shared/sampling/grammar.py)
 that do not compile are clear errors; masks, draft-tree masks; constrained output that
-matches its schema, and is the same with NGRAM and EAGLE-3 speculation as without."""
+matches its schema; logit_bias and min_tokens; each the same with NGRAM and EAGLE-3
+speculation as without."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from shared.core.tree import DraftTree
 from shared.engine.engine import EngineConfig, LLMEngine
+from shared.parsers.tools import TOOL_PARSERS, make_tool_parser
 from shared.sampling.grammar import GrammarCompiler
 from shared.sampling.params import Grammar, SamplingParams
 from shared.speculative.config import SpeculativeConfig
@@ -163,3 +165,61 @@ def test_a_grammar_that_needs_more_tokens_ends_at_the_length_limit(
     while engine.has_work():
         reasons += [o.finish_reason for o in engine.step() if o.finish_reason]
     assert reasons == ["length"]
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def _call(name: str, arguments: dict) -> dict:
+    return {"function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+@pytest.mark.parametrize("parser_name", sorted({p.name for p in TOOL_PARSERS.values()}))
+def test_tool_call_grammars_take_exactly_the_allowed_calls(
+    compiler: GrammarCompiler, tok: Tokenizer, parser_name: str
+) -> None:
+    parser = make_tool_parser(parser_name)
+
+    def takes(grammar_args: tuple, calls: list[dict]) -> bool:
+        matcher = compiler.matcher(parser.call_grammar([WEATHER, TIME], *grammar_args))
+        ids = tok.encode(parser.render_calls(calls))
+        taken = matcher.matcher.try_consume_tokens(ids)
+        return taken == len(ids) and matcher.matcher.is_accepting()
+
+    paris = _call("get_weather", {"city": "Paris", "days": 2})
+    clock = _call("get_time", {})
+    assert takes((None, False), [paris]) and takes((None, False), [clock])
+    assert takes(("get_weather", False), [paris]) and not takes(("get_time", False), [paris])
+    assert takes((None, True), [paris, clock]) and not takes((None, False), [paris, clock])
+    assert not takes((None, False), [_call("get_weather", {"town": "Paris"})])
+    assert not takes((None, False), [_call("get_weather", {"city": "Paris", "days": "two"})])
+
+
+def test_logit_bias_and_min_tokens_are_the_same_with_speculation(
+    engines: dict[str, LLMEngine], tok: Tokenizer
+) -> None:
+    prompt = [tok.encode_chat([{"role": "user", "content": "Reply with one word: yes or no?"}])]
+    plain = engines["none"].generate(prompt, SamplingParams(temperature=0, max_tokens=16))[0]
+    assert len(plain) < 8 and plain[-1] in engines["none"].eos_token_ids  # a short answer
+    banned = SamplingParams(temperature=0, max_tokens=6, logit_bias={plain[0]: -100.0})
+    forced = SamplingParams(temperature=0, max_tokens=4, logit_bias={tok.encode("!")[0]: 100.0})
+    longer = SamplingParams(temperature=0, max_tokens=24, min_tokens=12)
+    for name in ("none", "NGRAM"):
+        engine = engines[name]
+        assert engine.generate(prompt, banned)[0][0] != plain[0]
+        assert engine.generate(prompt, forced)[0] == tok.encode("!") * 4
+        out = engine.generate(prompt, longer)[0]
+        assert len(out) >= 12 and not set(out[:11]) & engine.eos_token_ids
+        assert out == engines["none"].generate(prompt, longer)[0]

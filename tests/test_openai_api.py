@@ -275,14 +275,13 @@ def test_tool_choice(client: openai.OpenAI) -> None:
     assert isinstance(json.loads(call.function.arguments), dict)
     streamed = client.chat.completions.create(**args, tool_choice=named, stream=True)
     assert tool_calls(streamed) == ([("get_weather", call.function.arguments)], "")
-    for choice in ("required", "auto"):  # the model may or may not manage a valid call
+    for choice in ("required", "auto"):  # a grammar forces a call; auto may or may not call
         out = client.chat.completions.create(**args, tool_choice=choice).choices[0]
         calls = [(t.function.name, t.function.arguments) for t in out.message.tool_calls or []]
         for _, arguments in calls:
             assert isinstance(json.loads(arguments), dict)
         assert (out.finish_reason == "tool_calls") == bool(calls)
-        if choice == "required" and not calls:  # then it ran out of tokens mid-call
-            assert out.finish_reason == "length" and out.message.content.startswith("<tool_call>")
+        assert bool(calls) or choice == "auto"
         streamed = client.chat.completions.create(**args, tool_choice=choice, stream=True)
         assert tool_calls(streamed) == (calls, out.message.content or "")
 

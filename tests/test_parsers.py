@@ -261,34 +261,6 @@ def test_call_ids_are_unique() -> None:
 
 ARGS = {"city": "Zürich", "days": 3}
 
-# Continuations a model would write after call_prefix(name) and call_prefix(None).
-NAMED_CONTINUATIONS = {
-    "hermes": json.dumps(ARGS, ensure_ascii=False)[1:] + "}\n</tool_call>",
-    "llama3_json": json.dumps(ARGS, ensure_ascii=False)[1:] + "}",
-    "mistral": json.dumps(ARGS, ensure_ascii=False)[1:] + "}]",
-}
-REQUIRED_CONTINUATIONS = [
-    ("hermes", 'get_weather", "arguments": {"city": "Zürich", "days": 3}}\n</tool_call>'),
-    ("llama3_json", 'get_weather", "parameters": {"city": "Zürich", "days": 3}}'),
-    ("mistral", 'get_weather", "arguments": {"city": "Zürich", "days": 3}}]'),
-]
-
-
-@pytest.mark.parametrize("parser_name", sorted(NAMED_CONTINUATIONS))
-def test_named_call_prefix(parser_name: str) -> None:
-    parser = make_tool_parser(parser_name)
-    text = parser.call_prefix("get_weather") + NAMED_CONTINUATIONS[parser_name]
-    content, calls = parser.parse(text)
-    assert content == "" and _calls(calls) == [("get_weather", ARGS)]
-
-
-@pytest.mark.parametrize(("parser_name", "continuation"), REQUIRED_CONTINUATIONS)
-def test_required_call_prefix(parser_name: str, continuation: str) -> None:
-    parser = make_tool_parser(parser_name)
-    content, calls = parser.parse(parser.call_prefix(None) + continuation)
-    assert content == "" and _calls(calls) == [("get_weather", ARGS)]
-
-
 OPENAI_TOOLS = [
     {
         "type": "function",
@@ -371,7 +343,7 @@ def test_reasoning_stream_emits_early() -> None:
 
 
 def test_reasoning_registry() -> None:
-    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "mistral", "qwen3"]
+    assert sorted(REASONING_PARSERS) == ["deepseek-r1", "deepseek_r1", "mistral", "qwen3"]
 
 
 def test_held_back() -> None:

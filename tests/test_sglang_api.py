@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import jsonschema_rs
+import openai
 import pytest
 from deployment import specmesh_up
 
@@ -121,7 +122,7 @@ def test_generate_stream_is_cumulative_and_gathered(url: str) -> None:
         {"unknown_knob": 1},
         {"json_schema": '{"type": "flower"}'},
         {"regex": "a", "ebnf": 'root ::= "a"'},
-        {"min_new_tokens": 2},
+        {"min_new_tokens": 20, "max_new_tokens": 8},
     ],
 )
 def test_generate_bad_sampling_params_are_400(url: str, sampling_params: dict) -> None:
@@ -169,3 +170,48 @@ def test_chat_template_flag(url: str) -> None:
     prompt = f"[user] {QUESTION}\n" + rendered.replace("{% endfor %}", "")
     count = ok(post(url, "/tokenize", {"prompt": prompt, "add_special_tokens": False}))["count"]
     assert chat["usage"]["prompt_tokens"] == count
+
+
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMETERS}},
+    {"type": "function", "function": {"name": "get_time", "description": "the local time"}},
+]
+TOOL_PROMPTS = ["Weather in Lima?", "Is it cold in Oslo?", "What time is it in Rome?"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_calls_without_parser_flags(url: str, stream: bool) -> None:
+    """No --tool-call-parser here: the format comes from the chat template (hermes by
+    default), and a grammar makes every forced call parse and fit its schema."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    validator = jsonschema_rs.validator_for(WEATHER_PARAMETERS)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for prompt in TOOL_PROMPTS:
+        for choice in (named, "required"):
+            args = {"model": "", "messages": [{"role": "user", "content": prompt}]}
+            args |= {"tools": TOOLS, "tool_choice": choice, "temperature": 0, "max_tokens": 60}
+            if stream:
+                chunks = list(client.chat.completions.create(**args, stream=True))
+                deltas = [c.choices[0].delta.tool_calls or [] for c in chunks if c.choices]
+                calls = [(d.function.name, d.function.arguments) for ds in deltas for d in ds]
+                finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            else:
+                out = client.chat.completions.create(**args).choices[0]
+                calls = [(c.function.name, c.function.arguments) for c in out.message.tool_calls]
+                finish = out.finish_reason
+            assert finish == "tool_calls" and calls, (prompt, choice)
+            for name, arguments in calls:
+                assert name in ("get_weather", "get_time") and (
+                    choice != named or name == "get_weather"
+                )
+                if name == "get_weather":
+                    assert validator.is_valid(json.loads(arguments)), arguments

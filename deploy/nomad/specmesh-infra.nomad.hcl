@@ -93,13 +93,13 @@ job "specmesh-infra" {
             # one user per kind of service, allowed only its own subjects (as deploy/nats.conf)
             users = [
               {user: gateway, password: "{{ with nomadVar "nomad/jobs" }}{{ .nats_gateway_password }}{{ end }}",
-               permissions: {"publish": {"allow": ["specmesh.tokenizer.tokenize", "specmesh.prefill", "specmesh.decode.*.admit", "specmesh.tokenizer.*.resume", "specmesh.abort", "specmesh.heartbeat.gateway"]}, "subscribe": {"allow": ["specmesh.gateway.*.out", "specmesh.heartbeat.*", "_INBOX.gateway.>"]}, "allow_responses": true}},
+               permissions: {"publish": {"allow": ["specmesh.tokenizer.tokenize", "specmesh.tokenizer.encode", "specmesh.tokenizer.decode", "specmesh.prefill", "specmesh.abort", "specmesh.decode.*.admit", "specmesh.tokenizer.*.resume", "specmesh.cache.*.flush", "specmesh.heartbeat.gateway"]}, "subscribe": {"allow": ["specmesh.gateway.*.out", "specmesh.heartbeat.*", "_INBOX.gateway.>"]}, "allow_responses": true}},
               {user: tokenizer, password: "{{ with nomadVar "nomad/jobs" }}{{ .nats_tokenizer_password }}{{ end }}",
-               permissions: {"publish": {"allow": ["specmesh.gateway.*.out", "specmesh.abort", "specmesh.heartbeat.tokenizer"]}, "subscribe": {"allow": ["specmesh.tokenizer.tokenize", "specmesh.tokenizer.*.detok", "specmesh.tokenizer.*.resume", "specmesh.abort", "specmesh.heartbeat.gateway", "_INBOX.tokenizer.>"]}, "allow_responses": true}},
+               permissions: {"publish": {"allow": ["specmesh.gateway.*.out", "specmesh.abort", "specmesh.heartbeat.tokenizer"]}, "subscribe": {"allow": ["specmesh.tokenizer.tokenize", "specmesh.tokenizer.encode", "specmesh.tokenizer.decode", "specmesh.abort", "specmesh.heartbeat.gateway", "specmesh.tokenizer.*.detok", "specmesh.tokenizer.*.resume", "_INBOX.tokenizer.>"]}, "allow_responses": true}},
               {user: prefill, password: "{{ with nomadVar "nomad/jobs" }}{{ .nats_prefill_password }}{{ end }}",
-               permissions: {"publish": {"allow": ["specmesh.heartbeat.prefill"]}, "subscribe": {"allow": ["specmesh.prefill", "specmesh.abort", "_INBOX.prefill.>"]}, "allow_responses": true}},
+               permissions: {"publish": {"allow": ["specmesh.heartbeat.prefill"]}, "subscribe": {"allow": ["specmesh.prefill", "specmesh.abort", "specmesh.cache.*.flush", "_INBOX.prefill.>"]}, "allow_responses": true}},
               {user: decode, password: "{{ with nomadVar "nomad/jobs" }}{{ .nats_decode_password }}{{ end }}",
-               permissions: {"publish": {"allow": ["specmesh.tokenizer.*.detok", "specmesh.drafter.*", "specmesh.heartbeat.decode"]}, "subscribe": {"allow": ["specmesh.decode.*.admit", "specmesh.abort", "specmesh.heartbeat.gateway", "_INBOX.decode.>"]}, "allow_responses": true}},
+               permissions: {"publish": {"allow": ["specmesh.tokenizer.*.detok", "specmesh.drafter.*", "specmesh.heartbeat.decode"]}, "subscribe": {"allow": ["specmesh.decode.*.admit", "specmesh.cache.*.flush", "specmesh.abort", "specmesh.heartbeat.gateway", "_INBOX.decode.>"]}, "allow_responses": true}},
               {user: drafter, password: "{{ with nomadVar "nomad/jobs" }}{{ .nats_drafter_password }}{{ end }}",
                permissions: {"publish": {"allow": ["specmesh.heartbeat.drafter"]}, "subscribe": {"allow": ["specmesh.drafter.*", "specmesh.abort", "_INBOX.drafter.>"]}, "allow_responses": true}}
             ]

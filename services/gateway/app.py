@@ -11,7 +11,9 @@ aborts its sequences in every service.
 from __future__ import annotations
 
 import hmac
+import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -29,9 +31,12 @@ from services.gateway.config import GatewayConfig
 from services.gateway.errors import APIError, error_response
 from services.gateway.native import native_routes
 from services.gateway.responses import response_routes
-from shared.config import DEFAULT_MODEL_NAME
+from shared.config import DEFAULT_MODEL_NAME, default_model_dir
 from shared.parsers.reasoning import make_reasoning_parser
-from shared.parsers.tools import make_tool_parser
+from shared.parsers.tools import make_tool_parser, tool_parser_for_template
+from shared.tokenizer import read_chat_template
+
+log = logging.getLogger(__name__)
 
 # Probes and scrapers reach these without the API key; nothing else.
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -70,9 +75,18 @@ class Guard:
         await self.app(scope, counted, send)
 
 
+def _template_tool_parser(model: str | None) -> str:
+    """Without --tool-call-parser: the format the model's chat template writes."""
+    model_dir = Path(model) if model else default_model_dir()
+    name, named = tool_parser_for_template(read_chat_template(model_dir))
+    how = "as its chat template writes them" if named else "its chat template names no format"
+    log.info("tool calls in the %s format (%s; --tool-call-parser chooses)", name, how)
+    return name
+
+
 def build_app(cluster: Cluster, cfg: GatewayConfig) -> FastAPI:
     model_name = cfg.model_name
-    tool_parser = make_tool_parser(cfg.tool_call_parser) if cfg.tool_call_parser else None
+    tool_parser = make_tool_parser(cfg.tool_call_parser or _template_tool_parser(cfg.model))
     reasoning = make_reasoning_parser(cfg.reasoning_parser) if cfg.reasoning_parser else None
     app = FastAPI(title="specmesh", summary="OpenAI-compatible API with speculative decoding")
     app.add_middleware(Guard, api_key=cfg.api_key, max_body=cfg.max_request_bytes)

@@ -7,6 +7,7 @@ from the same per-delta processing, so their text is the same.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -32,31 +33,37 @@ from shared.core.spec_stats import SpecStats
 from shared.parsers.reasoning import ReasoningParser
 from shared.parsers.tools import ToolCall, ToolParser
 from shared.protocol import TextDelta, TokenizeRequest
+from shared.sampling.params import SamplingParams
 
 
 class ChatPlan:
     """What the gateway's options and a request make of it: the prompt's tokenizer
-    work and the parsers its output goes through."""
+    work, the grammar its output must follow (a forced tool call's, or the request's
+    response_format) and the parsers its output goes through."""
 
     def __init__(
         self,
         req: ChatCompletionRequest,
-        tool_parser: ToolParser | None,
+        tool_parser: ToolParser,
         reasoning_parser: ReasoningParser | None,
     ) -> None:
         self.req = req
         self.reasoning_parser = reasoning_parser
         choice = req.tool_choice or "auto"
         use_tools = bool(req.tools) and choice != "none"
-        if use_tools and tool_parser is None:
-            raise APIError(
-                400, "tool calling needs the server started with --tool-call-parser", "tools"
-            )
         self.tool_parser = tool_parser if use_tools else None
-        self.call_prefix = ""
+        self.grammar = req.grammar()
         if self.tool_parser is not None and choice != "auto":
+            if self.grammar is not None:
+                message = "a forced tool call cannot also follow response_format, regex or ebnf"
+                raise APIError(400, message, "tool_choice")
             name = choice.function.name if isinstance(choice, NamedToolChoice) else None
-            self.call_prefix = self.tool_parser.call_prefix(name)
+            tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+            self.grammar = self.tool_parser.call_grammar(tools, name, req.parallel_tool_calls)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        params = self.req.sampling_params(max_tokens, logprobs)
+        return dataclasses.replace(params, grammar=self.grammar)
 
     def tokenize_request(self, request_id: str, stop: list[str]) -> TokenizeRequest:
         req = self.req
@@ -71,7 +78,6 @@ class ChatPlan:
             stop=stop,
             tools=tools if self.tool_parser else None,
             tool_parser=self.tool_parser.name if self.tool_parser else None,
-            assistant_prefix=self.call_prefix,
         )
 
     def choice(self, index: int) -> ChatChoice:
@@ -90,8 +96,6 @@ class ChatChoice:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.spec: SpecStats | None = None
-        if self.tools is not None and plan.call_prefix:
-            self.tools.feed(plan.call_prefix)  # the forced call's start is output too
 
     def feed(self, delta: TextDelta) -> dict[str, Any]:
         """The message delta this output adds: content, reasoning_content, tool_calls."""
@@ -157,7 +161,7 @@ def merge_message(deltas: list[dict[str, Any]]) -> dict[str, Any]:
 def chat_routes(
     cluster: Cluster,
     model_name: str,
-    tool_parser: ToolParser | None,
+    tool_parser: ToolParser,
     reasoning: ReasoningParser | None,
 ) -> APIRouter:
     """POST /v1/chat/completions over `cluster`."""
@@ -169,7 +173,7 @@ def chat_routes(
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens or 0
-        params = req.sampling_params(max_tokens, logprobs)
+        params = plan.sampling_params(max_tokens, logprobs)
         stop = req.stop_strings()
         choices = [
             (plan.tokenize_request(f"{request_id}-{i}", stop), choice_params(params, i))

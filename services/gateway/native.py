@@ -23,6 +23,7 @@ from services.gateway.schema import (
     INT64,
     MAX_CHOICES,
     Body,
+    LogitBias,
     Penalty,
     Probability,
     StopString,
@@ -85,6 +86,7 @@ class NativeSamplingParams(BaseModel):
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     min_new_tokens: Annotated[int, Field(ge=0)] = 0
+    logit_bias: dict[str, LogitBias] | None = None
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -93,8 +95,8 @@ class NativeSamplingParams(BaseModel):
     def _supported(self) -> NativeSamplingParams:
         if (self.json_schema is not None) + (self.regex is not None) + (self.ebnf is not None) > 1:
             raise ValueError("give at most one of json_schema, regex and ebnf")
-        if self.min_new_tokens:
-            raise ValueError("min_new_tokens is not supported")
+        if not all(token.isdigit() for token in self.logit_bias or {}):
+            raise ValueError("logit_bias keys are token ids")
         if not (self.skip_special_tokens and self.spaces_between_special_tokens):
             raise ValueError("special tokens are always skipped in the output text")
         if self.no_stop_trim:
@@ -118,6 +120,8 @@ class NativeSamplingParams(BaseModel):
             max_tokens=self.max_new_tokens,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_new_tokens,
+            logit_bias={int(t): bias for t, bias in (self.logit_bias or {}).items()},
             grammar=self.grammar(),
         )
 

@@ -459,7 +459,7 @@ async def _sse(events: AsyncIterator[dict[str, Any]], generation: Generation) ->
 def response_routes(
     cluster: Cluster,
     model_name: str,
-    tool_parser: ToolParser | None,
+    tool_parser: ToolParser,
     reasoning: ReasoningParser | None,
 ) -> APIRouter:
     """POST /v1/responses over `cluster`."""
@@ -470,7 +470,7 @@ def response_routes(
         chat = req.chat_request()
         plan = ChatPlan(chat, tool_parser, reasoning)
         request_id = f"resp_{uuid.uuid4().hex}"
-        params = chat.sampling_params(chat.max_completion_tokens or 0, None)
+        params = plan.sampling_params(chat.max_completion_tokens or 0, None)
         work = (plan.tokenize_request(f"{request_id}-0", []), params)
         generation = await start(cluster, model_name, ROUTE, chat.model, request_id, [[work]])
         events = _events(generation, plan.choice(0), _head(req, request_id, model_name, params))

@@ -4,6 +4,7 @@ make the OpenAPI schema). Unknown extra fields are tolerated, as OpenAI does."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -19,10 +20,30 @@ from shared.sampling.params import (
 )
 
 MAX_CHOICES = 64  # n; each choice is a sequence in flight
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+# Fields other servers honour that would change the output here if we ignored them: a
+# request that sets one gets a 400 rather than an answer that silently differs.
+IGNORED_FIELDS = frozenset(
+    {
+        "use_beam_search",
+        "length_penalty",
+        "prompt_logprobs",
+        "include_stop_str_in_output",
+        "truncate_prompt_tokens",
+        "typical_p",
+        "bad_words",
+        "allowed_token_ids",
+        "structural_tag",
+        "prediction",
+        "audio",
+        "modalities",
+    }
+)
 INT64 = Field(ge=-(2**63), le=2**63 - 1)
 
 Probability = Annotated[float, Field(ge=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
+LogitBias = Annotated[float, Field(ge=-100, le=100)]
 TokenCount = Annotated[int, Field(ge=1)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
@@ -139,26 +160,50 @@ class GenerationRequest(Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: Annotated[dict[str, LogitBias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0  # vLLM's: no EOS or stop token before
     response_format: ResponseFormat | None = None
     regex: str | None = None  # SGLang's: the output matches this regex
     ebnf: str | None = None  # SGLang's: the output matches this EBNF (GBNF) grammar
+    guided_json: str | dict[str, Any] | None = None  # vLLM's spellings of the same
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> GenerationRequest:
+    def _consistent_fields(self) -> GenerationRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        formats = self.response_format is not None and self.response_format.type != "text"
-        if formats + (self.regex is not None) + (self.ebnf is not None) > 1:
-            raise ValueError("give at most one of response_format, regex and ebnf")
+        if len(self._grammars()) > 1:
+            raise ValueError("give at most one of response_format, regex, ebnf and guided_*")
+        ignored = sorted(IGNORED_FIELDS & set(self.model_extra or {}))
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)}: not supported by this server")
+        for token in self.logit_bias or {}:
+            if not token.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, not {token!r}")
         return self
+
+    def _grammars(self) -> list[Grammar]:
+        """Every constraint the request asks for (at most one is allowed)."""
+        json_text = self.guided_json
+        if isinstance(json_text, dict):
+            json_text = json.dumps(json_text)
+        choices = self.guided_choice
+        given = [
+            self.response_format.grammar() if self.response_format else None,
+            Grammar("regex", self.regex) if self.regex is not None else None,
+            Grammar("ebnf", self.ebnf) if self.ebnf is not None else None,
+            Grammar("json_schema", json_text) if json_text is not None else None,
+            Grammar("regex", self.guided_regex) if self.guided_regex is not None else None,
+            Grammar("regex", "|".join(map(re.escape, choices))) if choices else None,
+            Grammar("ebnf", self.guided_grammar) if self.guided_grammar is not None else None,
+        ]
+        return [g for g in given if g is not None]
 
     def grammar(self) -> Grammar | None:
         """What the output must match, if anything."""
-        if self.regex is not None:
-            return Grammar("regex", self.regex)
-        if self.ebnf is not None:
-            return Grammar("ebnf", self.ebnf)
-        return self.response_format.grammar() if self.response_format else None
+        return next(iter(self._grammars()), None)
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -183,6 +228,8 @@ class GenerationRequest(Body):
             max_tokens=max_tokens,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
+            min_tokens=self.min_tokens,
             grammar=self.grammar(),
         )
 

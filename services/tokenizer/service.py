@@ -127,8 +127,7 @@ class TokenizerService(Service):
                 messages = [{"role": "system", "content": listing}, *messages]
             tools = None
         kwargs = req.chat_template_kwargs or {}
-        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, **kwargs)
-        return prompt + req.assistant_prefix
+        return self.tokenizer.apply_chat_template(messages, tools=tools, **kwargs)
 
     async def detokenize(self, msg: TokenBatches) -> None:
         for batch in msg.batches:

@@ -135,7 +135,8 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None  # built by the first constrained request
         self.block_manager = BlockManager(self.kv_cache.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache)
+        eos = frozenset(self.eos_token_ids)
+        self.runner = ModelRunner(self.model, self.kv_cache, eos)
         self.speculator: Speculator | None = None
         # Called with (sequence, target features of the rows it computed this step, the first
         # row's position) once `runner.feature_layers` is set: the EAGLE speculator, prefill's
@@ -149,7 +150,7 @@ class LLMEngine:
             spec = spec.resolved(cfg.model)
             drafter = drafter or make_drafter(spec, self.model)
             self.runner.feature_layers, self.runner.feature_normed = drafter.target_features
-            self.speculator = Speculator(spec, drafter, self.kv_cache, self.block_manager)
+            self.speculator = Speculator(spec, drafter, self.kv_cache, self.block_manager, eos)
             self.feature_listeners.append(self.speculator.add_features)
             if spec.speculative_adaptive:
                 self.speculator.costs = StepCosts(self._verify_seconds(self.speculator.max_drafts))
@@ -187,6 +188,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        if any(not 0 <= token < vocab for token in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if params.top_k > vocab:
             raise ValueError(f"top_k must be at most the vocabulary size ({vocab})")
         if params.grammar is not None:

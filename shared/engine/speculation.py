@@ -22,6 +22,7 @@ from shared.core.spec_stats import SpecStats
 from shared.core.tree import DraftTree
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.kv_cache import KVCache
+from shared.runner.logits import processed_logits, shapes_logits
 from shared.sampling.params import SamplingParams
 from shared.sampling.sampler import has_penalties, to_probs
 from shared.speculative.accept import accept_greedy, accept_sampling
@@ -89,11 +90,13 @@ class Speculator:
         drafter: Drafter,
         kv_cache: KVCache,
         block_manager: BlockManager,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.cfg = cfg
         self.drafter = drafter
         self.kv_cache = kv_cache
         self.block_manager = block_manager
+        self.eos_token_ids = eos_token_ids  # held back from verification before min_tokens
         self.max_drafts = cfg.speculative_num_draft_tokens - 1
         self.requests: dict[str, _RequestState] = {}
         self.stats = SpecStats()
@@ -187,10 +190,9 @@ class Speculator:
         """Accept a path of `tree` given the target's logits (and features) at its nodes;
         commit the path's K/V. Returns the tokens to emit (accepted drafts, then bonus)."""
         params = seq.params
-        if seq.grammar is not None:  # drafts the grammar forbids are never accepted
-            paths = [tree.path_tokens(node)[1:] for node in range(len(tree))]  # root: followed
-            masks = seq.grammar.masks_after(paths).to(logits.device)
-            logits = logits.masked_fill(~masks, float("-inf"))
+        if shapes_logits(seq):  # e.g. drafts its grammar forbids are never accepted
+            paths = [tree.path_tokens(node)[1:] for node in range(len(tree))]  # root: emitted
+            logits = processed_logits(logits, seq, paths, self.eos_token_ids)
         if params.greedy:
             path, emitted = accept_greedy(tree, logits.argmax(dim=-1).tolist())
         else:

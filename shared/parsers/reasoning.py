@@ -106,6 +106,7 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     parser.name: parser
     for parser in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, MistralReasoningParser)
 }
+REASONING_PARSERS["deepseek-r1"] = DeepSeekR1ReasoningParser  # SGLang's spelling
 
 
 def make_reasoning_parser(name: str) -> ReasoningParser:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from shared.parsers import held_back
+from shared.sampling.params import JSON_LAYOUT, Grammar
 
 
 def _new_call_id() -> str:
@@ -107,12 +108,39 @@ def _tool_lines(tools: list[dict[str, Any]]) -> str:
     return "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
 
 
+def _call_schema(tool: dict[str, Any], arguments_key: str) -> dict[str, Any]:
+    """A call object of `tool`: its name, and arguments matching its parameters schema."""
+    function = tool["function"]
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"const": function["name"]},
+            arguments_key: function.get("parameters") or {"type": "object"},
+        },
+        "required": ["name", arguments_key],
+        "additionalProperties": False,
+    }
+
+
+def _lark(opening: str, rule: str, closing: str) -> str:
+    """A Lark sequence: `rule` between the literals `opening` and `closing` (if any)."""
+    return " ".join(
+        part for part in (json.dumps(opening), rule, json.dumps(closing)) if part != '""'
+    )
+
+
 class ToolParser(ABC):
     name: ClassVar[str]
     # Every unit ends with one of these characters: reading is only retried after one arrives.
     unit_ends: ClassVar[str]
-    call_opening: ClassVar[str]  # what comes before a call object's `{`
     arguments_key: ClassVar[str] = "arguments"
+    # How calls are written: each call object inside call_open/call_close, several apart
+    # by call_separator, all inside list_open/list_close.
+    call_open: ClassVar[str] = ""
+    call_close: ClassVar[str] = ""
+    call_separator: ClassVar[str]
+    list_open: ClassVar[str] = ""
+    list_close: ClassVar[str] = ""
 
     @abstractmethod
     def render_tools(self, tools: list[dict[str, Any]]) -> str:
@@ -122,14 +150,19 @@ class ToolParser(ABC):
     def render_calls(self, calls: list[dict[str, Any]]) -> str:
         """An assistant message's OpenAI `tool_calls` written as text in this format."""
 
-    def call_prefix(self, name: str | None) -> str:
-        """Text that opens a call (of function `name`, or any when None), to force one.
-        With no name the name's quote is opened too: the model then picks a tool, not
-        the shape; with a name the arguments object is opened."""
-        if name is None:
-            return f'{self.call_opening}{{"name": "'
-        quoted = json.dumps(name, ensure_ascii=False)
-        return f'{self.call_opening}{{"name": {quoted}, "{self.arguments_key}": {{'
+    def call_grammar(
+        self, tools: list[dict[str, Any]], name: str | None, parallel: bool
+    ) -> Grammar:
+        """What `tool_choice` forces, as a Lark grammar: a call of the function `name` (of
+        any of `tools` when None), or several if `parallel`, in this format, each call's
+        arguments matching its tool's parameters schema; nothing else."""
+        chosen = [t for t in tools if name in (None, t["function"]["name"])]
+        schema = {"anyOf": [_call_schema(t, self.arguments_key) for t in chosen]}
+        schema["x-guidance"] = JSON_LAYOUT
+        call = _lark(self.call_open, f"%json {json.dumps(schema)}", self.call_close)
+        calls = f"call ({json.dumps(self.call_separator)} call)*" if parallel else "call"
+        start = _lark(self.list_open, calls, self.list_close)
+        return Grammar("lark", f"start: {start}\ncall: {call}\n")
 
     @abstractmethod
     def _content_end(self, text: str, at_start: bool) -> tuple[int, bool]:
@@ -210,7 +243,9 @@ class HermesToolParser(ToolParser):
     unit_ends = ">"
     OPEN = "<tool_call>"
     CLOSE = "</tool_call>"
-    call_opening = OPEN + "\n"
+    call_open = OPEN + "\n"
+    call_close = "\n" + CLOSE
+    call_separator = "\n"
 
     def render_tools(self, tools: list[dict[str, Any]]) -> str:
         return (
@@ -253,8 +288,8 @@ class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     unit_ends = "}"
     PYTHON_TAG = "<|python_tag|>"
-    call_opening = ""
     arguments_key = "parameters"
+    call_separator = "; "
     # What may come before a call: separators, the tag, whitespace.
     _LEAD = re.compile(r"[\s;]*(?:<\|python_tag\|>)?\s*")
 
@@ -293,7 +328,9 @@ class MistralToolParser(ToolParser):
     name = "mistral"
     unit_ends = "}]"
     MARKER = "[TOOL_CALLS]"
-    call_opening = MARKER + "["
+    list_open = MARKER + "["
+    list_close = "]"
+    call_separator = ", "
     # Units: an array's first element, a later element, the array's end, a name[ARGS] call.
     _FIRST_ITEM = re.compile(r"\s*\[TOOL_CALLS\]\s*\[\s*")
     _NEXT_ITEM = re.compile(r"\s*,\s*")
@@ -336,6 +373,25 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama3": Llama3JsonToolParser,
     "mistral": MistralToolParser,
 }
+
+
+# What a chat template writes around tool calls, and the format that reads them.
+_TEMPLATE_MARKERS = (
+    ("<tool_call>", "hermes"),
+    ("[TOOL_CALLS]", "mistral"),
+    ("<|python_tag|>", "llama3_json"),
+    ("ipython", "llama3_json"),
+)
+DEFAULT_TOOL_PARSER = "hermes"  # the most common format, for templates that name none
+
+
+def tool_parser_for_template(template: str | None) -> tuple[str, bool]:
+    """The tool-call format a chat template writes; and whether the template named it
+    (False: it did not, and the default applies)."""
+    for marker, name in _TEMPLATE_MARKERS:
+        if marker in (template or ""):
+            return name, True
+    return DEFAULT_TOOL_PARSER, False
 
 
 def make_tool_parser(name: str) -> ToolParser:

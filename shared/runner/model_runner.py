@@ -13,6 +13,7 @@ from shared.kvcache.kv_cache import KVCache
 from shared.model.attention import SequenceSpan
 from shared.model.fused import FUSED_MAX_ROWS, FusedDecoder
 from shared.model.llama import LlamaForCausalLM, pack_linears
+from shared.runner.logits import sampled_logits
 from shared.sampling.sampler import SampleOutput, Sampler, position_generator
 
 
@@ -24,22 +25,18 @@ class StepOutput:
     features: dict[Sequence, torch.Tensor]  # per sequence, features of its input rows
 
 
-def allowed_logits(logits: torch.Tensor, sampled: list[Sequence]) -> torch.Tensor:
-    """[n, vocab] logits with what each row's grammar forbids next at -inf."""
-    if all(seq.grammar is None for seq in sampled):
-        return logits
-    allowed = torch.ones_like(logits, dtype=torch.bool)
-    for i, seq in enumerate(sampled):
-        if seq.grammar is not None:
-            allowed[i] = seq.grammar.allowed()
-    return logits.masked_fill(~allowed, float("-inf"))
-
-
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        """`eos_token_ids`: what a request's min_tokens keeps from being sampled too early."""
         pack_linears(model)  # a runner only infers
         self.model = model
         self.kv_cache = kv_cache
+        self.eos_token_ids = eos_token_ids
         # Few rows go through the fused C++ decoder where it applies; the rest (prefill)
         # through the model's torch path.
         self.fused = FusedDecoder.build(model, kv_cache.layers)
@@ -131,7 +128,7 @@ class ModelRunner:
                 n = len(trees[seq]) if seq in trees else num
                 features[seq] = rows[first_row[seq] : first_row[seq] + n]
         samples = self.sampler.sample(
-            allowed_logits(logits[: len(sample_rows)], sampled),
+            sampled_logits(logits[: len(sample_rows)], sampled, self.eos_token_ids),
             [s.params for s in sampled],
             [s.prompt_ids for s in sampled],
             [s.output_ids for s in sampled],

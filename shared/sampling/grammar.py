@@ -20,11 +20,9 @@ import llguidance as llg
 import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from shared.sampling.params import Grammar
+from shared.sampling.params import JSON_LAYOUT, Grammar
 
 CACHE_SIZE = 256  # compiled grammars kept
-# JSON as json.dumps writes it, on one line: the layout models know best, in few tokens.
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def llguidance_grammar(grammar: Grammar) -> str:

@@ -13,6 +13,9 @@ INT32_MAX = 2**31 - 1  # token ids and top_k; the engine checks them against the
 
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf", "lark")
+# Constrained JSON as json.dumps writes it, on one line: the layout models know best, in
+# few tokens (llguidance's JSON options; also inside Lark grammars' %json rules).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,8 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the token's logit
+    min_tokens: int = 0  # no EOS or stop token before this many output tokens
     grammar: Grammar | None = None  # constrained decoding (shared/sampling/grammar.py)
     # The prompt's last tokens that are output already (a request that moved to another
     # decode worker): the grammar has followed them.
@@ -80,6 +85,10 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}"
             )
+        if any(not -100.0 <= bias <= 100.0 for bias in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if not (isinstance(self.grammar_prefix, int) and self.grammar_prefix >= 0):
             raise ValueError(f"grammar_prefix must be >= 0, got {self.grammar_prefix}")
         if self.grammar is not None and self.grammar.kind not in GRAMMAR_KINDS:

@@ -1,0 +1,267 @@
+"""Structured outputs: validity, speculation under a grammar, and what a grammar costs.
+
+    python benchmarks/bench_grammar.py [--model DIR] [--max-tokens 96] [--runs 3]
+        [--skip-services]
+
+In this process (greedy, the default model): 20 JSON schemas (nested objects, enums,
+arrays, bounded numbers) x 3 prompts, constrained, with no speculation, NGRAM and
+EAGLE-3: how many outputs parse and match their schema, whether each algorithm's
+outputs equal the unspeculated ones, and the acceptance length under the grammar.
+Then tokens/s side by side, medians of `--runs`: the same prompts free and
+constrained (the grammar's cost per token), and constrained with each algorithm
+(grammar + speculation vs grammar alone).
+
+Over the services (`specmesh up` with no --tool-call-parser, so the format comes from
+the chat template): 20 prompts x {named, required} tool choice x {collected, streamed}
+through the official `openai` client: how many return calls that parse, fit their
+tool's schema and end with finish_reason "tool_calls"."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jsonschema_rs
+import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from deployment import specmesh_up  # noqa: E402
+
+from shared.core.spec_stats import SpecStats  # noqa: E402
+from shared.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from shared.model.fetch import fetch_default_model  # noqa: E402
+from shared.sampling.params import Grammar, SamplingParams  # noqa: E402
+from shared.speculative.config import SpeculativeConfig  # noqa: E402
+from shared.tokenizer import Tokenizer  # noqa: E402
+
+
+def obj(required: bool = True, **properties: dict) -> dict:
+    schema = {"type": "object", "properties": properties, "additionalProperties": False}
+    return {**schema, "required": list(properties)} if required else schema
+
+
+STR = {"type": "string", "maxLength": 24}
+INT = {"type": "integer", "minimum": 0, "maximum": 100000}
+
+
+def enum(*values: str) -> dict:
+    return {"enum": list(values)}
+
+
+def array(items: dict, most: int = 3) -> dict:
+    return {"type": "array", "items": items, "minItems": 1, "maxItems": most}
+
+
+SCHEMAS = [
+    obj(city=STR, population=INT),
+    obj(
+        answer=enum("yes", "no", "maybe"), confidence={"type": "number", "minimum": 0, "maximum": 1}
+    ),
+    obj(name=STR, age={"type": "integer", "minimum": 0, "maximum": 120}),
+    obj(title=STR, tags=array(STR)),
+    obj(person=obj(name=STR, email=STR)),
+    obj(sentiment=enum("positive", "negative", "neutral")),
+    obj(steps=array(STR, 4)),
+    obj(
+        product=STR,
+        price={"type": "number", "minimum": 0, "maximum": 10000},
+        in_stock={"type": "boolean"},
+    ),
+    obj(color=enum("red", "green", "blue"), hex=STR),
+    obj(event=STR, date=STR, attendees=array(STR, 2)),
+    obj(address=obj(street=STR, city=STR, zip=STR)),
+    obj(scores=array({"type": "integer", "minimum": 0, "maximum": 10}, 4)),
+    obj(language=STR, paradigm=enum("functional", "object-oriented", "procedural")),
+    obj(
+        book=obj(title=STR, author=STR, year={"type": "integer", "minimum": 1000, "maximum": 2030})
+    ),
+    obj(items=array(obj(name=STR, qty=INT), 2)),
+    obj(
+        planet=STR,
+        moons={"type": "integer", "minimum": 0, "maximum": 200},
+        gas_giant={"type": "boolean"},
+    ),
+    obj(summary=STR, keywords=array(STR, 3)),
+    obj(
+        weather=obj(
+            sky=enum("sunny", "cloudy", "rainy"),
+            celsius={"type": "integer", "minimum": -50, "maximum": 60},
+        )
+    ),
+    obj(recipe=STR, minutes=INT, vegetarian={"type": "boolean"}),
+    obj(level=enum("low", "medium", "high"), reasons=array(STR, 2)),
+]
+PROMPTS = [
+    "Answer as JSON: tell me about Paris.",
+    "Reply in JSON about your favourite book.",
+    "Give a JSON record for a sunny day in Madrid.",
+]
+TOOL_PROMPTS = [
+    "Weather in Lima?",
+    "Is it cold in Oslo?",
+    "Should I take an umbrella in London?",
+    "How hot is Cairo today?",
+    "Forecast for Tokyo, please.",
+    "What's it like in Sydney?",
+    "Is it snowing in Montreal?",
+    "Weather for Cape Town.",
+    "Do I need sunscreen in Rome?",
+    "How windy is Chicago?",
+    "Temperature in Reykjavik?",
+    "Is it humid in Singapore?",
+    "Weather in Nairobi in fahrenheit.",
+    "Tell me the weather in Berlin.",
+    "What should I wear in Paris today?",
+    "Rain in Seattle?",
+    "Weather report for Mumbai.",
+    "Is Dubai hot right now?",
+    "Current conditions in Buenos Aires?",
+    "Weather in Lisbon.",
+]
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": obj(city=STR)}},
+]
+ALGORITHMS = {"none": None, "NGRAM": "NGRAM", "EAGLE3": "EAGLE3"}
+
+
+def generate(
+    engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]
+) -> tuple[list[list[int]], float]:
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    return outputs, sum(map(len, outputs)) / (time.perf_counter() - start)
+
+
+def in_process(model: Path, max_tokens: int, runs: int) -> None:
+    tok = Tokenizer(model)
+    cfg = EngineConfig(model=str(model), kv_cache_gb=0.5)
+    engines = {
+        name: LLMEngine(cfg, SpeculativeConfig(speculative_algorithm=a) if a else None)
+        for name, a in ALGORITHMS.items()
+    }
+    cases = [(s, p) for s in SCHEMAS for p in PROMPTS]
+    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for _, p in cases]
+    constrained = [
+        SamplingParams(
+            temperature=0, max_tokens=max_tokens, grammar=Grammar("json_schema", json.dumps(s))
+        )
+        for s, _ in cases
+    ]
+    free = [SamplingParams(temperature=0, max_tokens=max_tokens) for _ in cases]
+    rates: dict[str, list[float]] = {}
+    for run in range(runs):
+        outputs: dict[str, list[list[int]]] = {}
+        for name, engine in engines.items():
+            before = _spec_totals(engine)
+            outputs[name], rate = generate(engine, prompts, constrained)
+            rates.setdefault(f"{name} + grammar", []).append(rate)
+            if run > 0:
+                continue
+            texts = [tok.decode(ids) for ids in outputs[name]]
+            valid = sum(
+                _valid(schema, text) for (schema, _), text in zip(cases, texts, strict=True)
+            )
+            same = sum(a == b for a, b in zip(outputs[name], outputs["none"], strict=True))
+            line = f"{name:>6}: {valid}/{len(cases)} valid, {same}/{len(cases)} as unspeculated"
+            if engine.speculator is not None:
+                gained = engine.speculator.stats.since(before)
+                line += f", acceptance length {gained.acceptance_length:.2f}"
+            print(line, flush=True)
+        _, rate = generate(engines["none"], prompts, free)
+        rates.setdefault("none, free", []).append(rate)
+        print(
+            f"run {run + 1}: " + "  ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()), flush=True
+        )
+    print(f"\ntok/s, {len(cases)} constrained requests at once, greedy, median of {runs} runs")
+    for name, values in rates.items():
+        print(f"{name:<20}{statistics.median(values):>8.1f}")
+    free_rate = statistics.median(rates["none, free"])
+    grammar_rate = statistics.median(rates["none + grammar"])
+    print(f"grammar cost per token: {1e3 / grammar_rate - 1e3 / free_rate:+.2f} ms")
+    for name in ("NGRAM", "EAGLE3"):
+        ratios = [
+            s / n for s, n in zip(rates[f"{name} + grammar"], rates["none + grammar"], strict=True)
+        ]
+        print(f"{name} + grammar / grammar alone: {statistics.median(ratios):.2f}x")
+
+
+def _spec_totals(engine: LLMEngine) -> SpecStats:
+    """A copy of the engine's speculation totals so far."""
+    totals = engine.speculator.stats if engine.speculator else SpecStats()
+    return totals.since(SpecStats())
+
+
+def _valid(schema: dict, text: str) -> bool:
+    try:
+        return jsonschema_rs.validator_for(schema).is_valid(json.loads(text))
+    except ValueError:
+        return False
+
+
+def tool_calls(model: Path) -> None:
+    with specmesh_up(model) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for choice_name, choice in (("named", named), ("required", "required")):
+            for stream in (False, True):
+                good = sum(_good_call(client, p, choice, stream) for p in TOOL_PROMPTS)
+                how = "streamed" if stream else "collected"
+                print(
+                    f"tool_choice {choice_name}, {how}: {good}/{len(TOOL_PROMPTS)} good calls",
+                    flush=True,
+                )
+
+
+def _good_call(client: openai.OpenAI, prompt: str, choice: object, stream: bool) -> bool:
+    args = {"model": "", "messages": [{"role": "user", "content": prompt}], "tools": TOOLS}
+    args |= {"tool_choice": choice, "temperature": 0, "max_tokens": 80}
+    if stream:
+        chunks = [c for c in client.chat.completions.create(**args, stream=True) if c.choices]
+        calls = [
+            (d.function.name, d.function.arguments)
+            for c in chunks
+            for d in c.choices[0].delta.tool_calls or []
+        ]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        out = client.chat.completions.create(**args).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in out.message.tool_calls or []]
+        finish = out.finish_reason
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    return (
+        finish == "tool_calls"
+        and bool(calls)
+        and all(name in schemas and _valid(schemas[name], arguments) for name, arguments in calls)
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--skip-services", action="store_true")
+    args = parser.parse_args()
+    model = Path(args.model) if args.model else fetch_default_model()
+    in_process(model, args.max_tokens, args.runs)
+    if not args.skip_services:
+        tool_calls(model)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""What a request does to the target's logits before a token is sampled or a draft is
+verified: its `logit_bias`, `min_tokens` (no EOS or stop token before then) and grammar.
+
+Verification applies the same to every node of a draft tree, each at its own place in the
+output, so speculation accepts exactly what sampling would draw."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.core.sequence import Sequence
+
+
+def shapes_logits(seq: Sequence) -> bool:
+    p = seq.params
+    return bool(p.logit_bias) or p.min_tokens > len(seq.output_ids) or seq.grammar is not None
+
+
+def processed_logits(
+    logits: torch.Tensor, seq: Sequence, drafted: list[list[int]], eos_token_ids: frozenset[int]
+) -> torch.Tensor:
+    """[rows, vocab] logits of `seq`, row i for the token after `drafted[i]` (tokens past its
+    output so far: [] for a sampled row, a tree node's path for verification)."""
+    p = seq.params
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=logits.device)
+        bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+        logits = logits.index_add(1, ids, bias.expand(len(logits), -1))
+    done = len(seq.output_ids)
+    early = [i for i, path in enumerate(drafted) if done + len(path) < p.min_tokens]
+    if early:  # too soon to end: neither EOS nor a stop token
+        enders = torch.tensor(sorted(eos_token_ids | set(p.stop_token_ids)), device=logits.device)
+        rows = torch.tensor(early, device=logits.device)
+        never = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+        logits = logits.index_put((rows[:, None], enders[None, :]), never)
+    if seq.grammar is not None:
+        allowed = seq.grammar.masks_after(drafted).to(logits.device)
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    return logits
+
+
+def sampled_logits(
+    logits: torch.Tensor, sampled: list[Sequence], eos_token_ids: frozenset[int]
+) -> torch.Tensor:
+    """[n, vocab] logits of the sequences about to sample, each row as its request shapes it."""
+    if not any(shapes_logits(seq) for seq in sampled):
+        return logits
+    rows = [
+        processed_logits(logits[i : i + 1], seq, [[]], eos_token_ids)
+        if shapes_logits(seq)
+        else logits[i : i + 1]
+        for i, seq in enumerate(sampled)
+    ]
+    return torch.cat(rows)
