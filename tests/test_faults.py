@@ -559,7 +559,7 @@ def test_crafted_internal_messages_fail_only_themselves(deployment: Deployment) 
         assert started.wait(60)
         outcomes = asyncio.run(_crafted_messages(d.nats_url))
         assert canary.result(60) == (reference, {})
-    assert outcomes[0].startswith("400 token ids must be in"), outcomes
+    assert outcomes[0].startswith("400 prompt token ids must be in"), outcomes
     assert outcomes[1] == "400 the prompt is empty", outcomes
     assert outcomes[2].startswith("400 bad PrefillRequest"), outcomes
     assert outcomes[3] == "length 4 tokens", outcomes

@@ -108,6 +108,10 @@ def _tool_lines(tools: list[dict[str, Any]]) -> str:
     return "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
 
 
+# OpenAI: a function without `parameters` takes none.
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 def _call_schema(tool: dict[str, Any], arguments_key: str) -> dict[str, Any]:
     """A call object of `tool`: its name, and arguments matching its parameters schema."""
     function = tool["function"]
@@ -115,7 +119,7 @@ def _call_schema(tool: dict[str, Any], arguments_key: str) -> dict[str, Any]:
         "type": "object",
         "properties": {
             "name": {"const": function["name"]},
-            arguments_key: function.get("parameters") or {"type": "object"},
+            arguments_key: function.get("parameters") or NO_PARAMETERS,
         },
         "required": ["name", arguments_key],
         "additionalProperties": False,
@@ -154,13 +158,15 @@ class ToolParser(ABC):
         self, tools: list[dict[str, Any]], name: str | None, parallel: bool
     ) -> Grammar:
         """What `tool_choice` forces, as a Lark grammar: a call of the function `name` (of
-        any of `tools` when None), or several if `parallel`, in this format, each call's
-        arguments matching its tool's parameters schema; nothing else."""
+        any of `tools` when None) in this format, each call's arguments matching its tool's
+        parameters schema; nothing else. With `parallel`, up to one call per tool offered:
+        a bound, since small models would otherwise go on calling to the length limit."""
         chosen = [t for t in tools if name in (None, t["function"]["name"])]
         schema = {"anyOf": [_call_schema(t, self.arguments_key) for t in chosen]}
         schema["x-guidance"] = JSON_LAYOUT
         call = _lark(self.call_open, f"%json {json.dumps(schema)}", self.call_close)
-        calls = f"call ({json.dumps(self.call_separator)} call)*" if parallel else "call"
+        more = len(chosen) - 1 if parallel else 0
+        calls = "call" + f" ({json.dumps(self.call_separator)} call" * more + ")?" * more
         start = _lark(self.list_open, calls, self.list_close)
         return Grammar("lark", f"start: {start}\ncall: {call}\n")
 
