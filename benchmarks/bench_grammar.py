@@ -7,9 +7,10 @@ In this process (greedy, the default model): 20 JSON schemas (nested objects, en
 arrays, bounded numbers) x 3 prompts, constrained, with no speculation, NGRAM and
 EAGLE-3: how many outputs parse and match their schema, whether each algorithm's
 outputs equal the unspeculated ones, and the acceptance length under the grammar.
-Then tokens/s side by side, medians of `--runs`: the same prompts free and
-constrained (the grammar's cost per token), and constrained with each algorithm
-(grammar + speculation vs grammar alone).
+Then tokens/s side by side, medians of `--runs`, for a few requests one at a time and
+for all at once: the same prompts constrained and free for as many tokens each (the
+grammar's cost per token),
+and constrained with each algorithm (grammar + speculation vs grammar alone).
 
 Over the services (`specmesh up` with no --tool-call-parser, so the format comes from
 the chat template): 20 prompts x {named, required} tool choice x {collected, streamed}
@@ -137,67 +138,96 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_time", "parameters": obj(city=STR)}},
 ]
 ALGORITHMS = {"none": None, "NGRAM": "NGRAM", "EAGLE3": "EAGLE3"}
+ONE_AT_A_TIME = 6  # requests timed one at a time (where speculation pays on CPU)
 
 
 def generate(
-    engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]
+    engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], batch: int
 ) -> tuple[list[list[int]], float]:
+    """Outputs and tokens/s, `batch` requests at a time."""
+    outputs = []
     start = time.perf_counter()
-    outputs = engine.generate(prompts, params)
+    for i in range(0, len(prompts), batch):
+        outputs += engine.generate(prompts[i : i + batch], params[i : i + batch])
     return outputs, sum(map(len, outputs)) / (time.perf_counter() - start)
+
+
+def fresh_engines(model: Path) -> dict[str, LLMEngine]:
+    cfg = EngineConfig(model=str(model), kv_cache_gb=0.5)
+    return {
+        name: LLMEngine(cfg, SpeculativeConfig(speculative_algorithm=a) if a else None)
+        for name, a in ALGORITHMS.items()
+    }
 
 
 def in_process(model: Path, max_tokens: int, runs: int) -> None:
     tok = Tokenizer(model)
-    cfg = EngineConfig(model=str(model), kv_cache_gb=0.5)
-    engines = {
-        name: LLMEngine(cfg, SpeculativeConfig(speculative_algorithm=a) if a else None)
-        for name, a in ALGORITHMS.items()
-    }
     cases = [(s, p) for s in SCHEMAS for p in PROMPTS]
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for _, p in cases]
+    grammars = [Grammar("json_schema", json.dumps(s)) for s, _ in cases]
     constrained = [
-        SamplingParams(
-            temperature=0, max_tokens=max_tokens, grammar=Grammar("json_schema", json.dumps(s))
-        )
-        for s, _ in cases
+        SamplingParams(temperature=0, max_tokens=max_tokens, grammar=g) for g in grammars
     ]
-    free = [SamplingParams(temperature=0, max_tokens=max_tokens) for _ in cases]
-    rates: dict[str, list[float]] = {}
+    batches = {1: ONE_AT_A_TIME, len(cases): len(cases)}  # batch size: requests timed
+    rates: dict[tuple[str, int], list[float]] = {}
     for run in range(runs):
-        outputs: dict[str, list[list[int]]] = {}
-        for name, engine in engines.items():
-            before = _spec_totals(engine)
-            outputs[name], rate = generate(engine, prompts, constrained)
-            rates.setdefault(f"{name} + grammar", []).append(rate)
-            if run > 0:
-                continue
-            texts = [tok.decode(ids) for ids in outputs[name]]
-            valid = sum(
-                _valid(schema, text) for (schema, _), text in zip(cases, texts, strict=True)
-            )
-            same = sum(a == b for a, b in zip(outputs[name], outputs["none"], strict=True))
-            line = f"{name:>6}: {valid}/{len(cases)} valid, {same}/{len(cases)} as unspeculated"
-            if engine.speculator is not None:
-                gained = engine.speculator.stats.since(before)
-                line += f", acceptance length {gained.acceptance_length:.2f}"
-            print(line, flush=True)
-        _, rate = generate(engines["none"], prompts, free)
-        rates.setdefault("none, free", []).append(rate)
-        print(
-            f"run {run + 1}: " + "  ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()), flush=True
-        )
-    print(f"\ntok/s, {len(cases)} constrained requests at once, greedy, median of {runs} runs")
-    for name, values in rates.items():
-        print(f"{name:<20}{statistics.median(values):>8.1f}")
-    free_rate = statistics.median(rates["none, free"])
-    grammar_rate = statistics.median(rates["none + grammar"])
-    print(f"grammar cost per token: {1e3 / grammar_rate - 1e3 / free_rate:+.2f} ms")
-    for name in ("NGRAM", "EAGLE3"):
-        ratios = [
-            s / n for s, n in zip(rates[f"{name} + grammar"], rates["none + grammar"], strict=True)
-        ]
-        print(f"{name} + grammar / grammar alone: {statistics.median(ratios):.2f}x")
+        engines = fresh_engines(model)  # no n-gram trie remembers an earlier run
+        for engine in engines.values():  # grammars compile once per schema, not timed
+            for ids, params in zip(prompts, constrained, strict=True):
+                engine.check_request(ids, params)
+        for batch, n in batches.items():
+            outputs: dict[str, list[list[int]]] = {}
+            for name, engine in engines.items():
+                before = _spec_totals(engine)
+                outputs[name], rate = generate(engine, prompts[:n], constrained[:n], batch)
+                rates.setdefault((f"{name} + grammar", batch), []).append(rate)
+                if run == 0 and batch > 1:
+                    _report(name, engine, before, cases, outputs, tok)
+            # The same number of tokens per request, free: the difference is the grammar's.
+            free = [
+                SamplingParams(temperature=0, max_tokens=len(ids), ignore_eos=True)
+                for ids in outputs["none"]
+            ]
+            _, rate = generate(engines["none"], prompts[:n], free, batch)
+            rates.setdefault(("none, free", batch), []).append(rate)
+        line = "  ".join(f"{k} b={b} {v[-1]:.1f}" for (k, b), v in rates.items())
+        print(f"run {run + 1}: {line}", flush=True)
+    print(
+        f"\ntok/s, greedy, median of {runs} runs: {ONE_AT_A_TIME} requests one at a time "
+        f"(b=1), all {len(cases)} at once (b={len(cases)})"
+    )
+    names = dict.fromkeys(name for name, _ in rates)
+    print(f"{'':<20}" + "".join(f"{'b=' + str(b):>10}" for b in batches))
+    for name in names:
+        medians = (statistics.median(rates[(name, b)]) for b in batches)
+        print(f"{name:<20}" + "".join(f"{m:>10.1f}" for m in medians))
+    for b in batches:
+        cost = 1e3 / statistics.median(rates[("none + grammar", b)])
+        cost -= 1e3 / statistics.median(rates[("none, free", b)])
+        line = f"b={b}: grammar cost per token {cost:+.2f} ms"
+        for name in ("NGRAM", "EAGLE3"):
+            pairs = zip(rates[(f"{name} + grammar", b)], rates[("none + grammar", b)], strict=True)
+            ratio = statistics.median(s / g for s, g in pairs)
+            line += f"; {name} + grammar / grammar alone {ratio:.2f}x"
+        print(line)
+
+
+def _report(
+    name: str,
+    engine: LLMEngine,
+    before: SpecStats,
+    cases: list[tuple[dict, str]],
+    outputs: dict[str, list[list[int]]],
+    tok: Tokenizer,
+) -> None:
+    """Validity, identity with the unspeculated outputs, and acceptance under the grammar."""
+    texts = [tok.decode(ids) for ids in outputs[name]]
+    valid = sum(_valid(schema, text) for (schema, _), text in zip(cases, texts, strict=True))
+    same = sum(a == b for a, b in zip(outputs[name], outputs["none"], strict=True))
+    line = f"{name:>6}: {valid}/{len(cases)} valid, {same}/{len(cases)} as unspeculated"
+    if engine.speculator is not None:
+        line += f", acceptance length {engine.speculator.stats.since(before).acceptance_length:.2f}"
+    print(line, flush=True)
 
 
 def _spec_totals(engine: LLMEngine) -> SpecStats:
@@ -229,7 +259,7 @@ def tool_calls(model: Path) -> None:
 
 def _good_call(client: openai.OpenAI, prompt: str, choice: object, stream: bool) -> bool:
     args = {"model": "", "messages": [{"role": "user", "content": prompt}], "tools": TOOLS}
-    args |= {"tool_choice": choice, "temperature": 0, "max_tokens": 80}
+    args |= {"tool_choice": choice, "temperature": 0, "max_tokens": 160}  # room for 2 calls
     if stream:
         chunks = [c for c in client.chat.completions.create(**args, stream=True) if c.choices]
         calls = [
