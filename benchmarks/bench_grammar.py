@@ -32,6 +32,7 @@ import openai
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from deployment import specmesh_up  # noqa: E402
+from helpers import WEATHER_PARAMETERS  # noqa: E402
 
 from shared.core.spec_stats import SpecStats  # noqa: E402
 from shared.engine.engine import EngineConfig, LLMEngine  # noqa: E402
@@ -124,17 +125,8 @@ TOOL_PROMPTS = [
     "Current conditions in Buenos Aires?",
     "Weather in Lisbon.",
 ]
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 30},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMETERS}},
     {"type": "function", "function": {"name": "get_time", "parameters": obj(city=STR)}},
 ]
 ALGORITHMS = {"none": None, "NGRAM": "NGRAM", "EAGLE3": "EAGLE3"}

@@ -32,6 +32,16 @@ PROMPTS = [
     "Write the alphabet in capital letters.",
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
+# A weather tool's parameters, bounded so that a small model's forced calls can finish.
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
 
 
 def tiny_llama(path: Path, vocab: int, seed: int, hidden: int = 32, layers: int = 1) -> str:

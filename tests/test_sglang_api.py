@@ -13,6 +13,7 @@ import jsonschema_rs
 import openai
 import pytest
 from deployment import specmesh_up
+from helpers import WEATHER_PARAMETERS
 
 QUESTION = "What is the capital of France?"
 # A long prompt (several KV blocks) for the prefix cache.
@@ -172,15 +173,6 @@ def test_chat_template_flag(url: str) -> None:
     assert chat["usage"]["prompt_tokens"] == count
 
 
-WEATHER_PARAMETERS = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 30},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMETERS}},
     {"type": "function", "function": {"name": "get_time", "description": "the local time"}},

@@ -9,7 +9,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request, Response
@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.gateway.cluster import Cluster, Generation, Placement
+from services.gateway.completions import tokenize_request
 from services.gateway.errors import APIError, error_body
 from services.gateway.respond import choice_params, raise_if_failed, respond, start
 from services.gateway.schema import (
@@ -44,7 +45,6 @@ from shared.protocol import (
     FlushCache,
     RemoteError,
     TextDelta,
-    TokenizeRequest,
     TokenLogprob,
     flush_subject,
 )
@@ -184,8 +184,8 @@ class GenerateRequest(Body):
 class SequenceOutput:
     """One sequence's output so far, and its result in SGLang's shape."""
 
-    def __init__(self, rid: str, req: GenerateRequest, params: NativeSamplingParams) -> None:
-        self.rid, self.req, self.params = rid, req, params
+    def __init__(self, rid: str, req: GenerateRequest) -> None:
+        self.rid, self.req = rid, req
         self.text = ""
         self.output_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
@@ -238,7 +238,9 @@ class SequenceOutput:
         ]
 
 
-def native_routes(cluster: Cluster, model_name: str, max_model_len: Any) -> APIRouter:
+def native_routes(
+    cluster: Cluster, model_name: str, max_model_len: Callable[[], int | None]
+) -> APIRouter:
     """SGLang's native endpoints over `cluster`; `max_model_len()`: the live context limit."""
     router = APIRouter()
 
@@ -331,15 +333,10 @@ async def _start(
         choices = []
         for i in range(params.n):
             rid = f"{request_id}-{p * MAX_CHOICES + i}"
-            given = req.rid_of(p)
-            name = given if given is not None and params.n == 1 else f"{given or request_id}-{i}"
-            outputs[rid] = SequenceOutput(name, req, params)
-            stop = params.stop_strings()
-            tokenize = (
-                TokenizeRequest(request_id=rid, prompt=prompt, stop=stop)
-                if isinstance(prompt, str)
-                else TokenizeRequest(request_id=rid, prompt_ids=prompt, stop=stop)
-            )
+            given = req.rid_of(p)  # the client's name for it, SGLang's meta_info.id
+            name = rid if given is None else given if params.n == 1 else f"{given}-{i}"
+            outputs[rid] = SequenceOutput(name, req)
+            tokenize = tokenize_request(prompt, rid, params.stop_strings())
             choices.append((tokenize, choice_params(engine, i)))
         prompts.append(choices)
     generation = await start(cluster, model_name, "/generate", req.model, request_id, prompts)
