@@ -20,6 +20,7 @@ tool's schema and end with finish_reason "tool_calls"."""
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -225,7 +226,7 @@ def _report(
 def _spec_totals(engine: LLMEngine) -> SpecStats:
     """A copy of the engine's speculation totals so far."""
     totals = engine.speculator.stats if engine.speculator else SpecStats()
-    return totals.since(SpecStats())
+    return copy.copy(totals)
 
 
 def _valid(schema: dict, text: str) -> bool:

@@ -11,6 +11,7 @@ Each step's tokens go to the request's detokenizer.
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import AsyncGenerator
 from pathlib import Path
 
@@ -121,7 +122,7 @@ class DecodeService(EngineService):
             since = totals.since(self._spec_reported)
             if since.steps:
                 SPEC_ACCEPT_LENGTH.labels(self.model_name).set(since.acceptance_length)
-            self._spec_reported = totals.since(SpecStats())
+            self._spec_reported = copy.copy(totals)
         return Heartbeat(
             kind=self.kind,
             instance_id=self.instance_id,

@@ -6,7 +6,6 @@ decode instance's prefix cache, and the KV store)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -19,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from services.gateway.cluster import Cluster, Generation, Placement
 from services.gateway.completions import tokenize_request
 from services.gateway.errors import APIError, error_body
-from services.gateway.respond import choice_params, raise_if_failed, respond, start
+from services.gateway.respond import choice_params, raise_if_failed, respond, sse, start
 from services.gateway.schema import (
     INT64,
     MAX_CHOICES,
@@ -58,7 +57,7 @@ from shared.sampling.params import (
 )
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
-TOKENIZER_TIMEOUT_S = 10.0
+CALL_TIMEOUT_S = 10.0  # a tokenizer, prefill or decode call that does no generation
 HEALTH_TIMEOUT_S = 20.0  # /health_generate: one token through every service
 HEALTH_PROMPT = "."
 
@@ -315,7 +314,7 @@ class DetokenizeBody(Body):
 async def _call(cluster: Cluster, subject: str, msg: Any, expect: type[Any]) -> Any:
     """A service's reply, its failures as API errors."""
     try:
-        return await cluster.bus.request(subject, msg, expect, TOKENIZER_TIMEOUT_S)
+        return await cluster.bus.request(subject, msg, expect, CALL_TIMEOUT_S)
     except RemoteError as exc:
         raise APIError(exc.status, str(exc)) from exc
     except BusError as exc:
@@ -378,12 +377,12 @@ async def _stream(
     try:
         async for delta in generation.deltas():
             if delta.finish_reason == "error":
-                yield f"data: {json.dumps(error_body(500, delta.error or 'generation failed'))}\n\n"
+                yield sse(error_body(500, delta.error or "generation failed"))
                 break
             out = outputs[delta.request_id]
             out.feed(delta)
             chunk = out.result(generation.placements.get(delta.request_id), started)
-            yield f"data: {json.dumps({**chunk, 'index': index[delta.request_id]})}\n\n"
-        yield "data: [DONE]\n\n"
+            yield sse({**chunk, "index": index[delta.request_id]})
+        yield sse("[DONE]")
     finally:
         generation.close()

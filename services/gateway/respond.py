@@ -149,7 +149,8 @@ def openai_logprobs(entries: list[TokenLogprob] | None) -> list[dict[str, Any]]:
     return [{**item(e), "top_logprobs": [item(t) for t in e.top]} for e in entries or []]
 
 
-def _sse(body: dict[str, Any] | str) -> str:
+def sse(body: dict[str, Any] | str) -> str:
+    """One server-sent event with `body` (JSON, or a bare marker such as [DONE])."""
     return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
 
 
@@ -166,12 +167,12 @@ async def events(
     try:
         async for delta in generation.deltas():
             if delta.finish_reason == "error":
-                yield _sse(error_body(500, delta.error or "generation failed"))
+                yield sse(error_body(500, delta.error or "generation failed"))
                 break
             if (entry := entry_for(delta)) is not None:
-                yield _sse({**head, "choices": [entry]})
+                yield sse({**head, "choices": [entry]})
         if include_usage:
-            yield _sse({**head, "choices": [], "usage": usage(generation, choices)})
-        yield _sse("[DONE]")
+            yield sse({**head, "choices": [], "usage": usage(generation, choices)})
+        yield sse("[DONE]")
     finally:
         generation.close()

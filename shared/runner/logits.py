@@ -43,12 +43,13 @@ def sampled_logits(
     logits: torch.Tensor, sampled: list[Sequence], eos_token_ids: frozenset[int]
 ) -> torch.Tensor:
     """[n, vocab] logits of the sequences about to sample, each row as its request shapes it."""
-    if not any(shapes_logits(seq) for seq in sampled):
+    shaped = [shapes_logits(seq) for seq in sampled]
+    if not any(shaped):
         return logits
     rows = [
         processed_logits(logits[i : i + 1], seq, [[]], eos_token_ids)
-        if shapes_logits(seq)
+        if shape
         else logits[i : i + 1]
-        for i, seq in enumerate(sampled)
+        for i, (seq, shape) in enumerate(zip(sampled, shaped, strict=True))
     ]
     return torch.cat(rows)
