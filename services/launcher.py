@@ -75,6 +75,10 @@ class Configs:
 
     def __post_init__(self) -> None:
         model, device, dtype = self.engine.model, self.engine.device, self.engine.dtype
+        if self.decode.overlap and not self.spec.enabled:
+            raise ValueError(
+                "--overlap overlaps drafting with verification: it needs --speculative-algorithm"
+            )
         self.gateway.model = model
         self.tokenizer.model = model
         self.drafter = DrafterConfig(model, device, dtype)

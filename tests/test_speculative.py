@@ -17,6 +17,7 @@ from shared.sampling.params import SamplingParams
 from shared.sampling.sampler import draw, position_generator
 from shared.speculative.accept import accept_sampling
 from shared.speculative.config import SpeculativeConfig
+from shared.speculative.factory import drafter_target_features
 from shared.tokenizer import Tokenizer
 
 
@@ -308,6 +309,16 @@ def test_lossy_thresholds_accept_more_and_stay_seeded() -> None:
         ),
         ({"speculative_algorithm": "NGRAM", "speculative_token_map": "x.json"}, "NGRAM has"),
         ({"speculative_algorithm": "EAGLE3"}, "ships trained heads for SmolLM2"),
+        (
+            {
+                "speculative_algorithm": "MTP",
+                "speculative_draft_model_path": "x",
+                "speculative_num_steps": 3,
+                "speculative_eagle_topk": 2,
+                "speculative_num_draft_tokens": 5,
+            },
+            "NEXTN drafts a chain: --speculative-eagle-topk must be 1",
+        ),
     ],
 )
 def test_invalid_option_combinations_fail_clearly(spec: dict[str, object], message: str) -> None:
@@ -444,6 +455,76 @@ def test_eagle_heads_load_from_published_layouts_and_are_lossless(
     for i in range(0, len(prompt_ids), 8):
         assert engine.generate(prompt_ids[i : i + 8], GREEDY) == reference[i : i + 8]
     assert stats.draft_tokens >= stats.steps
+
+
+def write_mtp_target(path: Path, smollm_dir: Path, seed: int = 0) -> Path:
+    """SmolLM2-135M whose checkpoint also carries an MTP layer in DeepSeek-V3's layout
+    (`model.layers.{num_hidden_layers}.*`, random weights, with the copies of the embedding
+    and LM head DeepSeek stores beside it) and config key num_nextn_predict_layers."""
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    for f in smollm_dir.iterdir():
+        if f.name != "config.json":
+            (path / f.name).symlink_to(f)
+    config = json.loads((smollm_dir / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(seed)
+    hidden, ffn, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    q = config["num_attention_heads"] * (hidden // config["num_attention_heads"])
+    kv = config["num_key_value_heads"] * (hidden // config["num_attention_heads"])
+    shapes = {
+        "eh_proj.weight": (hidden, 2 * hidden),
+        "self_attn.q_proj.weight": (q, hidden),
+        "self_attn.k_proj.weight": (kv, hidden),
+        "self_attn.v_proj.weight": (kv, hidden),
+        "self_attn.o_proj.weight": (hidden, q),
+        "mlp.gate_proj.weight": (ffn, hidden),
+        "mlp.up_proj.weight": (ffn, hidden),
+        "mlp.down_proj.weight": (hidden, ffn),
+    }
+    prefix = f"model.layers.{config['num_hidden_layers']}."
+    w = {prefix + name: torch.randn(shape) * 0.02 for name, shape in shapes.items()}
+    for norm in (
+        "enorm",
+        "hnorm",
+        "input_layernorm",
+        "post_attention_layernorm",
+        "shared_head.norm",
+    ):
+        w[f"{prefix}{norm}.weight"] = torch.ones(hidden)
+    for shared in ("embed_tokens.weight", "shared_head.head.weight"):
+        w[prefix + shared] = torch.zeros(vocab, hidden, dtype=torch.bfloat16)
+    save_file(w, str(path / "model-mtp.safetensors"))
+    return path
+
+
+def test_nextn_drafts_from_the_targets_own_mtp_layer_losslessly(
+    smollm_dir: Path, tmp_path: Path, prompt_ids: list[list[int]], reference: list[list[int]]
+) -> None:
+    target = write_mtp_target(tmp_path / "target", smollm_dir)
+    engine = spec_engine(target, speculative_algorithm="NEXTN")  # no draft path: the target's
+    drafter = engine.speculator.drafter
+    assert drafter.head.mtp and drafter.target_features == ((29,), True)
+    assert [engine.generate([ids], GREEDY)[0] for ids in prompt_ids] == reference
+    for i in range(0, len(prompt_ids), 8):
+        assert engine.generate(prompt_ids[i : i + 8], GREEDY) == reference[i : i + 8]
+    stats = engine.speculator.stats
+    assert stats.steps > 0 and stats.draft_tokens >= stats.steps
+
+
+def test_nextn_without_mtp_layers_fails_before_loading(smollm_dir: Path, tmp_path: Path) -> None:
+    cfg = SpeculativeConfig(speculative_algorithm="NEXTN").resolved(str(smollm_dir))
+    assert cfg.speculative_draft_model_path == str(smollm_dir)
+    assert cfg.speculative_num_steps == 3 and cfg.speculative_eagle_topk == 1
+    with pytest.raises(ValueError, match="has no MTP layers .*num_nextn_predict_layers"):
+        drafter_target_features(cfg, str(smollm_dir))
+    target = write_mtp_target(tmp_path / "target", smollm_dir)
+    (target / "model-mtp.safetensors").unlink()
+    cfg = SpeculativeConfig(speculative_algorithm="NEXTN").resolved(str(target))
+    with pytest.raises(ValueError, match="lacks the MTP layer's .*model.layers.30.eh_proj"):
+        drafter_target_features(cfg, str(target))
 
 
 def test_draft_budgets_follow_measured_costs_and_acceptance() -> None:

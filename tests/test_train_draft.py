@@ -113,7 +113,7 @@ def test_a_tiny_head_learns_and_drafts_losslessly(trained: tuple[Path, Path]) ->
     report = json.loads((head / "training.json").read_text())
     first, last = report["history"][0], report["history"][-1]
     assert last["heldout_acceptance"] > first["heldout_acceptance"] + 0.2, report["history"]
-    spec = read_head_spec(head, True, ModelConfig.from_file(target / "config.json"))
+    spec = read_head_spec(head, "EAGLE3", ModelConfig.from_file(target / "config.json"))
     assert spec.draft_vocab == 1024 and spec.target_features == ((1, 3, 4), False)
 
     tok = Tokenizer(target)
@@ -125,6 +125,38 @@ def test_a_tiny_head_learns_and_drafts_losslessly(trained: tuple[Path, Path]) ->
     plain = LLMEngine(EngineConfig(model=str(target), kv_cache_gb=0.05)).generate(prompts, greedy)
     spec_cfg = SpeculativeConfig(
         speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head)
+    )
+    engine = LLMEngine(EngineConfig(model=str(target), kv_cache_gb=0.05), spec_cfg)
+    assert engine.generate(prompts, greedy) == plain
+    assert engine.speculator.stats.accepted_tokens > 0
+
+
+def test_a_tiny_mtp_layer_learns_and_is_saved_in_deepseeks_layout(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    target, eagle3_head = trained
+    cfg = dataclasses.replace(tiny_config(target, tmp_path / "out"), algorithm="NEXTN")
+    shutil.copytree(eagle3_head.parent / "data", tmp_path / "out" / "data")  # same answers
+    layer = train_draft(cfg)
+    history = json.loads((layer / "training.json").read_text())["history"]
+    assert history[-1]["heldout_acceptance"] > history[0]["heldout_acceptance"] + 0.2, history
+    names = set(load_file(layer / "model.safetensors"))
+    assert {
+        "model.layers.8.eh_proj.weight",
+        "model.layers.8.enorm.weight",
+        "model.layers.8.hnorm.weight",
+        "model.layers.8.shared_head.norm.weight",
+        "model.layers.8.self_attn.q_proj.weight",
+    } <= names
+    config = json.loads((layer / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 8
+
+    tok = Tokenizer(target)
+    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in ["Name three rivers."]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    plain = LLMEngine(EngineConfig(model=str(target), kv_cache_gb=0.05)).generate(prompts, greedy)
+    spec_cfg = SpeculativeConfig(
+        speculative_algorithm="MTP", speculative_draft_model_path=str(layer)
     )
     engine = LLMEngine(EngineConfig(model=str(target), kv_cache_gb=0.05), spec_cfg)
     assert engine.generate(prompts, greedy) == plain
@@ -175,7 +207,7 @@ def head_dir(tmp_path: Path, smollm_dir: Path) -> tuple[Path, ModelConfig]:
     """A (random) EAGLE-3 head for SmolLM2-135M written by save_head."""
     target = ModelConfig.from_file(smollm_dir / "config.json")
     cfg = dataclasses.replace(target, num_layers=1)
-    head = EagleHead(cfg, True, target.hidden_size, 64)
+    head = EagleHead(cfg, "EAGLE3", target.hidden_size, 64)
     head.d2t.copy_(torch.arange(64) * 7)
     spec = HeadSpec(cfg, 64, ((1, 14, 26), False))
     save_head(head, tmp_path / "head", target, spec)
@@ -203,7 +235,7 @@ def test_saved_heads_are_in_the_published_layout(head_dir: tuple[Path, ModelConf
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
-    assert read_head_spec(path, True, target).draft_vocab == 64
+    assert read_head_spec(path, "EAGLE3", target).draft_vocab == 64
 
 
 def test_heads_that_do_not_fit_the_target_fail_clearly(
@@ -212,20 +244,20 @@ def test_heads_that_do_not_fit_the_target_fail_clearly(
     path, target = head_dir
     _edit_config(path, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 14, 40]})
     with pytest.raises(ValueError, match=r"reads target layers \[1, 14, 40\]"):
-        read_head_spec(path, True, target)
+        read_head_spec(path, "EAGLE3", target)
     _edit_config(path, eagle_config=None, target_hidden_size=512)
     with pytest.raises(ValueError, match="reads hidden size 512; the target's is 576"):
-        read_head_spec(path, True, target)
+        read_head_spec(path, "EAGLE3", target)
     _edit_config(path, target_hidden_size=576, vocab_size=32000)
     with pytest.raises(ValueError, match="vocab size 32000"):
-        read_head_spec(path, True, target)
+        read_head_spec(path, "EAGLE3", target)
     _edit_config(path, vocab_size=target.vocab_size)
     tensors = load_file(path / "model.safetensors")
     save_file({k: v for k, v in tensors.items() if k != "d2t"}, path / "model.safetensors")
     with pytest.raises(ValueError, match=r"lacks \['d2t'\]"):
-        read_head_spec(path, True, target)
+        read_head_spec(path, "EAGLE3", target)
     with pytest.raises(ValueError, match="reads hidden size 576"):
-        read_head_spec(path, False, dataclasses.replace(target, hidden_size=960))
+        read_head_spec(path, "EAGLE", dataclasses.replace(target, hidden_size=960))
 
 
 def test_specmesh_up_refuses_a_bad_head_before_starting(
@@ -252,4 +284,31 @@ def test_specmesh_up_refuses_a_bad_head_before_starting(
     )
     assert done.returncode == 2, done.stderr
     assert "reads hidden size 512; the target's is 576" in done.stderr
+    assert "specmesh is up" not in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--speculative-algorithm", "NEXTN"], "has no MTP layers"),
+        (
+            ["--speculative-algorithm", "MTP", "--speculative-eagle-topk", "2"],
+            "NEXTN drafts a chain: --speculative-eagle-topk must be 1",
+        ),
+        (["--overlap"], "--overlap overlaps drafting with verification"),
+    ],
+    ids=["nextn-without-mtp-layers", "nextn-topk", "overlap-without-speculation"],
+)
+def test_specmesh_up_refuses_bad_speculation_before_starting(
+    args: list[str], message: str, smollm_dir: Path, tmp_path: Path
+) -> None:
+    # A copy of the default model under another name: no shipped drafter to fall back on.
+    target = tmp_path / "target"
+    target.mkdir()
+    for f in smollm_dir.iterdir():
+        (target / f.name).symlink_to(f)
+    command = [sys.executable, "-m", "services.cli", "up", "--model", str(target), *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
     assert "specmesh is up" not in done.stdout

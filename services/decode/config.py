@@ -14,7 +14,9 @@ class DecodeConfig:
         False,
         "keep two micro-batches in flight, one drafted while the other is verified: pays "
         "when drafters have their own device and drafting costs about what verifying does; "
-        "on shared CPU cores it costs a forward pass per lane (benchmarks/bench_services.py)",
+        "on shared CPU cores it costs a forward pass per lane (benchmarks/bench_services.py). "
+        "Works with every algorithm and any --speculative-eagle-topk (SGLang's overlap "
+        "scheduler: topk 1 only); needs --speculative-algorithm",
     )
     draft_timeout: float = option(5.0, "seconds to wait for a drafter's trees")
     stream_interval: int = option(

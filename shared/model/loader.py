@@ -98,6 +98,12 @@ def checkpoint_names(param: str, fused: dict[str, tuple[str, int, int]]) -> list
     return [".".join([*prefix, proj, kind]) for proj in parts] or [param]
 
 
+def _is_mtp_layer(name: str, cfg: ModelConfig) -> bool:
+    """A tensor of a layer past the decoder's (DeepSeek-style MTP layers follow them)."""
+    parts = name.split(".")
+    return parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= cfg.num_layers
+
+
 def load_model(
     path: str | Path,
     device: torch.device,
@@ -115,6 +121,8 @@ def load_model(
         name = name.removeprefix("model.")
         if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
+        if _is_mtp_layer(name, cfg):
+            continue  # the checkpoint's MTP layers: NEXTN's drafter reads them
         copy_into(params, fused, name, tensor)
         seen.add(name)
     missing = [c for n in params for c in checkpoint_names(n, fused) if c not in seen]

@@ -7,7 +7,10 @@ from pathlib import Path
 
 from shared.config import DEFAULT_MODEL_NAME, option
 
-ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
+ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN")
+ALIASES = {"MTP": "NEXTN"}  # SGLang's names for the same algorithm
+# Drafters that grow one chain: a draft step's top-1 only (SGLang: topk 1).
+CHAIN_ONLY = ("NEXTN",)
 # Drafters trained here for the default model (see heads/*/README.md for how each was made).
 HEADS_DIR = Path(__file__).parent / "heads"
 SHIPPED = {p.name for p in HEADS_DIR.glob("*") if (p / "config.json").is_file()}
@@ -26,12 +29,15 @@ class SpeculativeConfig:
     """Each field is also a command-line option (`--speculative-...`)."""
 
     speculative_algorithm: str | None = option(
-        None, "speculative decoding algorithm (unset: off)", choices=ALGORITHMS
+        None,
+        "speculative decoding algorithm (unset: off; MTP is NEXTN)",
+        choices=(*ALGORITHMS, *ALIASES),
     )
     speculative_draft_model_path: str | None = option(
         None,
-        "draft LM (STANDALONE) or head (EAGLE, EAGLE3; unset on the default model: the "
-        "head trained for it that ships with specmesh)",
+        "draft LM (STANDALONE), head (EAGLE, EAGLE3) or MTP layer (NEXTN; unset: the "
+        "target's own); unset on the default model: the drafter trained for it that ships "
+        "with specmesh",
         aliases=("--speculative-draft-model",),
     )
     speculative_num_steps: int | None = option(None, "draft depth (unset: chosen automatically)")
@@ -71,10 +77,12 @@ class SpeculativeConfig:
         algo = self.speculative_algorithm
         if algo is None:
             return self
-        algo = algo.upper()
+        algo = ALIASES.get(algo.upper(), algo.upper())
         if algo not in ALGORITHMS:
             raise ValueError(f"--speculative-algorithm must be one of {ALGORITHMS}, got {algo!r}")
         draft = self.speculative_draft_model_path or shipped_drafter(model, algo)
+        if algo == "NEXTN" and not draft and model and Path(model).is_dir():
+            draft = model  # the target's own MTP layers (checked when the drafter loads)
         if algo != "NGRAM" and not draft:
             raise ValueError(
                 f"--speculative-algorithm {algo} needs --speculative-draft-model-path (specmesh "
@@ -97,13 +105,18 @@ class SpeculativeConfig:
         if steps is None and topk is None and tokens is None:
             # Verification is not flat on CPU, so the defaults stay small; NGRAM trees are
             # cheap to build and wider.
-            steps, topk, tokens = (7, 1, 8) if algo == "NGRAM" else (4, 1, 5)
+            steps, topk, tokens = {"NGRAM": (7, 1, 8), "NEXTN": (3, 1, 4)}.get(algo, (4, 1, 5))
         elif None in (steps, topk, tokens):
             steps = steps or 4
             topk = topk or 1
             tokens = tokens or (steps + 1 if topk == 1 else min(steps * topk, 16) + 1)
         if steps < 1 or topk < 1 or tokens < 2:
             raise ValueError("speculative num_steps and topk must be >= 1, num_draft_tokens >= 2")
+        if algo in CHAIN_ONLY and topk != 1:
+            raise ValueError(
+                f"--speculative-algorithm {algo} drafts a chain: --speculative-eagle-topk must "
+                f"be 1, got {topk}"
+            )
         if topk == 1 and algo != "NGRAM" and tokens != steps + 1:
             raise ValueError(
                 f"with --speculative-eagle-topk 1, --speculative-num-draft-tokens must be "

@@ -60,9 +60,9 @@ class LocalDrafter(abc.ABC):
 
 def target_feature_layers(algorithm: str, num_layers: int) -> tuple[tuple[int, ...], bool]:
     """Target layers whose outputs an EAGLE head reads, and whether the one is final-normed:
-    EAGLE reads the final normed hidden state, EAGLE-3 layers 1, L/2-1 and L-4."""
+    EAGLE and NEXTN read the final normed hidden state, EAGLE-3 layers 1, L/2-1 and L-4."""
     if algorithm == "EAGLE3":
         return (1, num_layers // 2 - 1, num_layers - 4), False
-    if algorithm == "EAGLE":
+    if algorithm in ("EAGLE", "NEXTN"):
         return (num_layers - 1,), True
     return (), False

@@ -9,6 +9,11 @@ or pytorch_model.bin):
   whose attention reads [input_layernorm(embedding); hidden_norm(feature)], `norm`,
   its own `lm_head` over a reduced draft vocabulary, and `d2t` (target id = draft id
   + d2t[draft id]). The features are the outputs of target layers 1, L/2-1 and L-4.
+- NEXTN (MTP, DeepSeek-V3's layout): the target's extra layer `model.layers.{L}.*` (L =
+  num_hidden_layers) in the target's own checkpoint, or in a directory holding it alone:
+  `eh_proj` ([enorm(token embedding); hnorm(feature)] -> hidden), a full decoder layer,
+  and `shared_head.norm`; logits come from the target's LM head. The feature is the
+  target's final normed hidden state; the layer is reapplied for every draft step.
 The head's entry i pairs token i+1 with the feature of position i. Drafting
 feeds a node's own output back as its children's feature, and grows the tree
 as STANDALONE does (top-k per step, cumulative scores, rerank).
@@ -17,7 +22,7 @@ as STANDALONE does (top-k per step, cumulative scores, rerank).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,20 +47,29 @@ from shared.speculative.standalone import DRAFT_PARAMS, TreeSearch, load_token_m
 
 class EagleHead(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, eagle3: bool, target_hidden: int, draft_vocab: int
+        self, cfg: ModelConfig, algorithm: str, target_hidden: int, draft_vocab: int
     ) -> None:
         super().__init__()
         hidden = cfg.hidden_size
         self.config = cfg
-        self.eagle3 = eagle3
-        self.fc = Linear(3 * target_hidden if eagle3 else 2 * hidden, hidden, bias=not eagle3)
+        self.eagle3 = algorithm == "EAGLE3"
+        self.mtp = algorithm == "NEXTN"
+        eagle3 = self.eagle3
+        # EAGLE's fc, EAGLE-3's feature compressor, or NEXTN's eh_proj
+        self.fc = Linear(
+            3 * target_hidden if eagle3 else 2 * hidden, hidden, bias=algorithm == "EAGLE"
+        )
         self.self_attn = Attention(cfg, TorchAttention(), 2 * hidden if eagle3 else None)
         self.mlp = MLP(cfg)
         self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps)
-        if eagle3:
+        if eagle3 or self.mtp:
             self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps)
+            self.norm = RMSNorm(hidden, cfg.rms_norm_eps)  # NEXTN: shared_head.norm
+        if self.mtp:
+            self.enorm = RMSNorm(hidden, cfg.rms_norm_eps)
+            self.hnorm = RMSNorm(hidden, cfg.rms_norm_eps)
+        if eagle3:
             self.hidden_norm = RMSNorm(hidden, cfg.rms_norm_eps)
-            self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
             self.lm_head = Linear(hidden, draft_vocab, bias=False)
             self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         cos, sin = rope_cos_sin(
@@ -90,7 +104,9 @@ class EagleHead(nn.Module):
         training)."""
         x, residual = self.attention_input(embeds, features)
         h = residual + attend(x)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        # NEXTN feeds its normed output back as the next step's feature (SGLang's MTP).
+        return self.norm(h) if self.mtp else h
 
     def attention_input(
         self, embeds: torch.Tensor, features: torch.Tensor
@@ -99,11 +115,15 @@ class EagleHead(nn.Module):
         if self.eagle3:
             x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(features)], dim=-1)
             return x, features
+        if self.mtp:
+            x = self.fc(torch.cat([self.enorm(embeds), self.hnorm(features)], dim=-1))
+            return self.input_layernorm(x), x
         x = self.fc(torch.cat([embeds, features], dim=-1))
         return x, x
 
     def logits(self, hidden: torch.Tensor, target: LlamaForCausalLM) -> torch.Tensor:
-        """Logits over the draft vocabulary (EAGLE-3's own head) or the target's (EAGLE)."""
+        """Logits over the draft vocabulary (EAGLE-3's own head) or the target's (EAGLE,
+        NEXTN: its output is already normed)."""
         if self.eagle3:
             return self.lm_head(self.norm(hidden))
         return target.compute_logits(hidden)
@@ -141,12 +161,65 @@ class HeadSpec:
     config: ModelConfig  # the head's one decoder layer
     draft_vocab: int
     target_features: tuple[tuple[int, ...], bool]  # as Drafter.target_features
+    mtp_prefix: str = ""  # NEXTN: the checkpoint prefix of the MTP layer's tensors
 
 
-def read_head_spec(path: Path, eagle3: bool, target: ModelConfig) -> HeadSpec:
+# NEXTN checkpoint names (DeepSeek-V3's, under model.layers.{num_hidden_layers}.) -> ours;
+# its embedding and LM head are the target's, stored again beside the layer.
+MTP_RENAMES = {"eh_proj.": "fc.", "shared_head.norm.": "norm."}
+MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
+MTP_WANTED = (
+    "eh_proj.weight",
+    "enorm.weight",
+    "hnorm.weight",
+    "shared_head.norm.weight",
+    "self_attn.o_proj.weight",
+    "mlp.down_proj.weight",
+)
+
+
+def read_mtp_spec(path: Path, target: ModelConfig) -> HeadSpec:
+    """Check the MTP layer a (target's or extracted) checkpoint carries against `target`."""
+    where = f"NEXTN: the checkpoint at {path}"
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{where} has no config.json")
+    raw = json.loads((path / "config.json").read_text())
+    if not raw.get("num_nextn_predict_layers"):
+        raise ValueError(
+            f"{where} has no MTP layers (config num_nextn_predict_layers is unset); give "
+            "--speculative-draft-model-path a checkpoint with them (specmesh train-draft "
+            "--algorithm NEXTN makes one)"
+        )
+    cfg = ModelConfig.from_hf({**raw, "num_hidden_layers": 1})
+    if cfg.hidden_size != target.hidden_size or cfg.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"{where} has hidden size {cfg.hidden_size} and vocab {cfg.vocab_size}; "
+            f"the target's are {target.hidden_size} and {target.vocab_size}"
+        )
+    prefix = f"model.layers.{raw['num_hidden_layers']}."
+    names = {name for _, name in _checkpoint_keys(path)}
+    if raw["num_hidden_layers"] == 1 and prefix + "eh_proj.weight" not in names:
+        prefix = "model.layers.0."  # SGLang's extracted-layer checkpoints
+    if missing := [n for n in MTP_WANTED if prefix + n not in names]:
+        raise ValueError(f"{where} lacks the MTP layer's {[prefix + n for n in missing]}")
+    return HeadSpec(
+        cfg, target.vocab_size, target_feature_layers("NEXTN", target.num_layers), prefix
+    )
+
+
+def _mtp_name(name: str) -> str:
+    for theirs, ours in MTP_RENAMES.items():
+        if name.startswith(theirs):
+            return ours + name.removeprefix(theirs)
+    return name
+
+
+def read_head_spec(path: Path, algo: str, target: ModelConfig) -> HeadSpec:
     """Read and check a head's config.json and tensor names; raise ValueError on a head that
     does not fit `target` (before any weight is read)."""
-    algo = "EAGLE3" if eagle3 else "EAGLE"
+    if algo == "NEXTN":
+        return read_mtp_spec(path, target)
+    eagle3 = algo == "EAGLE3"
     if not (path / "config.json").is_file():
         raise ValueError(f"the draft head directory {path} has no config.json")
     raw = json.loads((path / "config.json").read_text())
@@ -183,35 +256,57 @@ def read_head_spec(path: Path, eagle3: bool, target: ModelConfig) -> HeadSpec:
     return HeadSpec(cfg, draft_vocab, (layers, normed))
 
 
+def _checkpoint_keys(path: Path) -> Iterator[tuple[Path, str]]:
+    """(file, tensor name) of every tensor in a safetensors checkpoint, sharded or not."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"NEXTN reads safetensors checkpoints; {path} holds none")
+    for file in files:
+        with safe_open(file, "pt") as f:
+            yield from ((file, name) for name in f.keys())
+
+
+def _head_tensors(path: Path, spec: HeadSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """The head's checkpoint tensors under our names (NEXTN: the MTP layer's alone)."""
+    if not spec.mtp_prefix:
+        for name, tensor in _read_weights(path).items():
+            yield name.removeprefix("midlayer.").removeprefix("layers.0."), tensor
+        return
+    for file, name in _checkpoint_keys(path):
+        short = name.removeprefix(spec.mtp_prefix)
+        if short != name and short not in MTP_SHARED:
+            with safe_open(file, "pt") as f:
+                yield _mtp_name(short), f.get_tensor(name)
+
+
 def load_head(
-    path: Path, eagle3: bool, target: LlamaForCausalLM
+    path: Path, algo: str, target: LlamaForCausalLM
 ) -> tuple[EagleHead, HeadSpec, torch.Tensor | None]:
     """The head, its checked spec and, if the checkpoint brings one, its own embedding."""
-    spec = read_head_spec(path, eagle3, target.config)
-    head = EagleHead(spec.config, eagle3, target.config.hidden_size, spec.draft_vocab)
+    spec = read_head_spec(path, algo, target.config)
+    head = EagleHead(spec.config, algo, target.config.hidden_size, spec.draft_vocab)
     fused = fused_slices(spec.config)
     params = dict(head.named_parameters())
-    if eagle3:
+    if head.eagle3:
         params["d2t"] = head.d2t
     embed, seen = None, set()
-    for name, tensor in _read_weights(path).items():
-        name = name.removeprefix("midlayer.").removeprefix("layers.0.")
+    for name, tensor in _head_tensors(path, spec):
         if name == "embed_tokens.weight":
             embed = tensor
             continue
-        if name == "t2d" or (name == "input_layernorm.weight" and not eagle3):
+        if name == "t2d" or (name == "input_layernorm.weight" and algo == "EAGLE"):
             continue  # t2d: the inverse map; EAGLE's layer 0 never applies its input norm
         copy_into(params, fused, name, tensor)
         seen.add(name)
     missing = [c for n in params for c in checkpoint_names(n, fused) if c not in seen]
     if missing:
-        raise ValueError(f"the EAGLE head at {path} lacks {missing}")
+        raise ValueError(f"the {algo} head at {path} lacks {missing}")
     return head, spec, embed
 
 
 def save_head(head: EagleHead, path: Path, target: ModelConfig, spec: HeadSpec) -> None:
     """Write `head` in its published layout, bf16: EAGLE-3 as SpecForge exports it for
-    SGLang (`midlayer.*`, `d2t`, `t2d`), EAGLE as `fc` + `layers.0.*`."""
+    SGLang (`midlayer.*`, `d2t`, `t2d`), EAGLE as `fc` + `layers.0.*` (NEXTN: `save_mtp`)."""
     path.mkdir(parents=True, exist_ok=True)
     cfg, eagle3 = head.config, head.eagle3
     tensors: dict[str, torch.Tensor] = {}
@@ -253,6 +348,25 @@ def save_head(head: EagleHead, path: Path, target: ModelConfig, spec: HeadSpec) 
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def save_mtp(head: EagleHead, path: Path, target_config: dict) -> None:
+    """The MTP layer as DeepSeek-V3 stores it, alone: tensors `model.layers.{L}.*` (L =
+    the target's num_hidden_layers) and the target's config.json with
+    num_nextn_predict_layers, so that NEXTN loads it as a draft path (and the tensors could
+    join the target's own checkpoint)."""
+    path.mkdir(parents=True, exist_ok=True)
+    ours = {v: k for k, v in MTP_RENAMES.items()}
+    prefix = f"model.layers.{target_config['num_hidden_layers']}."
+    tensors = {}
+    for name, tensor in head.state_dict().items():
+        for part, value in split_fused(name, tensor, fused_slices(head.config)):
+            top = next((t for t in ours if part.startswith(t)), None)
+            key = ours[top] + part.removeprefix(top) if top else part
+            tensors[prefix + key] = value.to(torch.bfloat16).contiguous()
+    save_file(tensors, path / "model.safetensors")
+    config = {**target_config, "num_nextn_predict_layers": 1, "torch_dtype": "bfloat16"}
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 class EagleDrafter(LocalDrafter):
     def __init__(
         self,
@@ -261,11 +375,10 @@ class EagleDrafter(LocalDrafter):
         kv_cache_gb: float = 0.05,
         block_size: int = 16,
     ) -> None:
-        eagle3 = cfg.speculative_algorithm == "EAGLE3"
         path = Path(cfg.speculative_draft_model_path)
         weight = target.embed_tokens.weight
         device, dtype = weight.device, weight.dtype
-        head, spec, embed = load_head(path, eagle3, target)
+        head, spec, embed = load_head(path, cfg.speculative_algorithm, target)
         self.head = head.to(device, dtype).eval()
         self.embed = embed.to(device, dtype) if embed is not None else weight
         self.target = target

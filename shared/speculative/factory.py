@@ -21,11 +21,11 @@ def drafter_target_features(cfg: SpeculativeConfig, model_dir: str) -> tuple[tup
     `model_dir`; checks that an EAGLE head fits that target (ValueError otherwise) from
     the configs alone, without loading any weights."""
     algo = cfg.speculative_algorithm
-    if algo not in ("EAGLE", "EAGLE3"):
+    if algo not in ("EAGLE", "EAGLE3", "NEXTN"):
         return (), False
     target = ModelConfig.from_file(Path(model_dir) / "config.json")
     path = Path(cfg.speculative_draft_model_path or "")
-    return read_head_spec(path, algo == "EAGLE3", target).target_features
+    return read_head_spec(path, algo, target).target_features
 
 
 def make_drafter(cfg: SpeculativeConfig, target: LlamaForCausalLM | None) -> Drafter:

@@ -26,7 +26,7 @@ from shared.model.fetch import resolve_model
 from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import load_model
 from shared.speculative.drafter import target_feature_layers
-from shared.speculative.eagle import EagleHead, HeadSpec, save_head
+from shared.speculative.eagle import EagleHead, HeadSpec, save_head, save_mtp
 from shared.tokenizer import Tokenizer
 from shared.training.data import (
     Sample,
@@ -47,14 +47,14 @@ from shared.training.features import TargetView, capture_layers, extract, from_c
 from shared.training.prompts import training_prompts
 
 log = logging.getLogger(__name__)
-TRAINABLE = ("EAGLE3", "EAGLE")
+TRAINABLE = ("EAGLE3", "EAGLE", "NEXTN")
 
 
 @dataclass
 class TrainDraftConfig:
     """Each field is also a `specmesh train-draft` option."""
 
-    algorithm: str = option("EAGLE3", "drafter to train", choices=("EAGLE3", "EAGLE"))
+    algorithm: str = option("EAGLE3", "drafter to train", choices=TRAINABLE)
     target: str | None = model_option()
     out: str | None = option(None, "output directory (the head, plus resumable work files)")
     data: str | None = option(
@@ -212,22 +212,22 @@ def draft_vocab(
 
 
 def new_head(
-    target: LlamaForCausalLM, eagle3: bool, draft_ids: torch.Tensor | None, seed: int
+    target: LlamaForCausalLM, algorithm: str, draft_ids: torch.Tensor | None, seed: int
 ) -> tuple[EagleHead, ModelConfig]:
-    """A head shaped like one target layer. It starts near the target's own prediction:
-    `fc` passes the last feature it reads through, and EAGLE-3's output norm and LM head
-    are the target's (restricted to the draft vocabulary)."""
+    """A head shaped like one target layer (NEXTN: exactly one, biases included). It starts
+    near the target's own prediction: `fc` passes the last feature it reads through, and
+    the output norm (and EAGLE-3's LM head, restricted to the draft vocabulary) are the
+    target's."""
     torch.manual_seed(seed)
     tcfg = target.config
-    cfg = dataclasses.replace(
-        tcfg,
-        architecture="LlamaForCausalLM",
-        num_layers=1,
-        qkv_bias=False,
-        o_proj_bias=False,
-        mlp_bias=False,
-    )
-    head = EagleHead(cfg, eagle3, tcfg.hidden_size, len(draft_ids) if eagle3 else tcfg.vocab_size)
+    eagle3 = algorithm == "EAGLE3"
+    cfg = dataclasses.replace(tcfg, num_layers=1)
+    if algorithm != "NEXTN":
+        cfg = dataclasses.replace(
+            cfg, architecture="LlamaForCausalLM", qkv_bias=False, o_proj_bias=False, mlp_bias=False
+        )
+    vocab = len(draft_ids) if draft_ids is not None else tcfg.vocab_size
+    head = EagleHead(cfg, algorithm, tcfg.hidden_size, vocab)
     for name, p in head.named_parameters():
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=0.02)
@@ -236,10 +236,11 @@ def new_head(
     with torch.no_grad():  # fc starts by passing the last feature through (nearest the output)
         hidden = tcfg.hidden_size
         head.fc.weight[:, -hidden:] += torch.eye(hidden)
-    if eagle3:
-        with torch.no_grad():
-            head.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
+    with torch.no_grad():
+        if eagle3 or head.mtp:
             head.norm.weight.copy_(target.norm.weight)
+        if eagle3:
+            head.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
             head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
     return head, cfg
 
@@ -290,7 +291,7 @@ def train_draft(cfg: TrainDraftConfig) -> Path:
         draft_ids = draft_vocab(
             train_samples, [views[i] for i in train], cfg.draft_vocab_size, target.config.vocab_size
         ).to(device)
-    head, hcfg = new_head(target, eagle3, draft_ids, cfg.seed)
+    head, hcfg = new_head(target, cfg.algorithm, draft_ids, cfg.seed)
     head.to(device).train()
     spec = HeadSpec(hcfg, len(draft_ids) if eagle3 else hcfg.vocab_size, (layers, normed))
 
@@ -378,7 +379,10 @@ def train_draft(cfg: TrainDraftConfig) -> Path:
             break
     bar.close()
     head_dir = out / "head"
-    save_head(head.cpu().eval(), head_dir, target.config, spec)
+    if head.mtp:
+        save_mtp(head.cpu().eval(), head_dir, json.loads((target_dir / "config.json").read_text()))
+    else:
+        save_head(head.cpu().eval(), head_dir, target.config, spec)
     report = {
         "algorithm": cfg.algorithm,
         "options": asdict(cfg),
