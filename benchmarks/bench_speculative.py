@@ -15,8 +15,10 @@ speculative output is checked to equal plain output.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,35 +31,10 @@ from shared.speculative.drafter import DraftRequest
 from shared.speculative.ngram import NgramDrafter
 from shared.tokenizer import Tokenizer
 
-CODE = (
-    "def total_price(items):\n    total = 0\n    for item in items:\n"
-    "        total += item.price\n    return total\n"
-)
-REWRITE = [
-    f"Rewrite this function so it is called sum_prices, keeping everything else:\n{CODE}",
-    f"Rewrite this code adding a docstring:\n{CODE}",
-    "Correct the spelling in this sentence: The wether was realy nice yesterday, so we "
-    "whent to the beech and swam in the see.",
-    "Correct the grammar: Me and him goes to the market every mornings to buys fresh breads.",
-    "Extend this list with five more items: 1. apples 2. bananas 3. cherries 4. dates",
-    "Extend the list of colours: red, orange, yellow, green, blue,",
-    "Rewrite the sentence in the past tense: I walk to the station, buy a ticket and "
-    "take the train to the city.",
-    "Fix the bug in this code and show the whole function:\n"
-    "def is_even(n):\n    return n % 2 == 1\n",
-]
-PARAGRAPH = (
-    "Alice packed her bag, locked the door, and walked to the station. The train was late, "
-    "so she bought a coffee and read the newspaper. When the train finally arrived, she "
-    "found a seat by the window and watched the fields go by until she reached the city."
-)
-WEEK = "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday"
-REPEAT = [
-    f"Repeat the following text exactly, word for word:\n{PARAGRAPH}",
-    f'Quote this passage exactly:\n"{PARAGRAPH}"',
-    f"Print this text again:\n\n{PARAGRAPH}",
-    f"Repeat this list exactly: {WEEK}, {WEEK}.",
-]
+# Rewrite-style prompts (rewrite code with a small change, correct a sentence, extend a
+# list) and literal repetition; `specmesh bench speculative` measures on them too.
+COPY_HEAVY = json.loads((Path(__file__).parent / "prompts" / "copy_heavy.json").read_text())
+REWRITE, REPEAT = COPY_HEAVY["rewrite"], COPY_HEAVY["repeat"]
 
 
 def simulate(drafter: NgramDrafter, prompt: list[int], output: list[int], budget: int) -> float:

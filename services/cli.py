@@ -1,4 +1,4 @@
-"""`specmesh`: start the system, fetch the default model."""
+"""`specmesh`: start the system, fetch the default model, train drafters, benchmark."""
 
 from __future__ import annotations
 
@@ -60,6 +60,12 @@ def _train_draft(args: argparse.Namespace) -> None:
     print(train_draft(dataclass_from_args(TrainDraftConfig, args)))
 
 
+def _bench_speculative(args: argparse.Namespace) -> None:
+    from services.bench_speculative import BenchSpeculativeConfig, sweep
+
+    sweep(dataclass_from_args(BenchSpeculativeConfig, args))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="specmesh", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -87,7 +93,20 @@ def main(argv: list[str] | None = None) -> None:
     add_dataclass_args(train, TrainDraftConfig)
     train.set_defaults(run=_train_draft)
 
-    for command in (up, fetch, train):
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
+        dest="benchmark", required=True
+    )
+    bench_spec = bench.add_parser(
+        "speculative",
+        help="sweep each algorithm's draft shape over prompt sets; print the best per workload",
+        formatter_class=HelpFormatter,
+    )
+    from services.bench_speculative import BenchSpeculativeConfig
+
+    add_dataclass_args(bench_spec, BenchSpeculativeConfig)
+    bench_spec.set_defaults(run=_bench_speculative)
+
+    for command in (up, fetch, train, bench_spec):
         add_dataclass_args(command, LogConfig)
     args = parser.parse_args(argv)
     try:

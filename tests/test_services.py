@@ -116,14 +116,15 @@ def standalone(
         yield url, bus.url, log
 
 
-@pytest.fixture(scope="module")
-def eagle3(smollm_dir: Path) -> Iterator[str]:
-    """EAGLE-3 with the head that ships for the default model: the prompt's target features
-    travel from prefill with its K/V, then with each draft step. Fixed draft budgets, so
-    that drafts do not depend on timings (adaptive budgets follow measured costs)."""
-    args = ["--speculative-algorithm", "EAGLE3", "--no-speculative-adaptive"]
+@pytest.fixture(scope="module", params=["EAGLE3", "NEXTN"])
+def learned(smollm_dir: Path, request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    """A learned drafter that ships for the default model (the EAGLE-3 head, the NEXTN
+    layer): the prompt's target features travel from prefill with its K/V, then with each
+    draft step. Fixed draft budgets, so that drafts do not depend on timings (adaptive
+    budgets follow measured costs). (HTTP url, algorithm)"""
+    args = ["--speculative-algorithm", request.param, "--no-speculative-adaptive"]
     with start_nats() as bus, specmesh_up(smollm_dir, "--nats-url", bus.url, *args) as url:
-        yield url
+        yield url, request.param
 
 
 def test_ngram_pipeline_equals_the_in_process_engine(
@@ -292,18 +293,22 @@ def test_two_decoders_two_drafters_under_concurrency(
             assert sample(metrics, "specmesh_kv_transport_bytes_total", **_kv("decode", "read"))
 
 
-def test_eagle3_over_the_services_is_lossless(eagle3: str, reference: dict[str, str]) -> None:
+def test_learned_drafters_over_the_services_are_lossless(
+    learned: tuple[str, str], reference: dict[str, str]
+) -> None:
+    url, algorithm = learned
     for prompt in PROMPTS[:3]:
-        assert chat_text(eagle3, prompt, **GREEDY) == reference[prompt]
-    state = httpx.get(f"{eagle3}/get_server_info").json()["internal_states"][0]
-    assert state["speculative_algorithm"] == "EAGLE3" and state["spec_draft_tokens"] > 0
+        assert chat_text(url, prompt, **GREEDY) == reference[prompt]
+    state = httpx.get(f"{url}/get_server_info").json()["internal_states"][0]
+    assert state["speculative_algorithm"] == algorithm and state["spec_draft_tokens"] > 0
 
 
-def test_prompt_features_reach_the_drafter(eagle3: str, smollm_dir: Path) -> None:
+def test_prompt_features_reach_the_drafter(learned: tuple[str, str], smollm_dir: Path) -> None:
     """The head is warm at the first decode step over the services as in one process:
     the same verify steps and accepted drafts over each request's first 16 tokens."""
+    url, algorithm = learned
     tok = Tokenizer(smollm_dir)
-    spec = SpeculativeConfig(speculative_algorithm="EAGLE3", speculative_adaptive=False)
+    spec = SpeculativeConfig(speculative_algorithm=algorithm, speculative_adaptive=False)
     params = SamplingParams(temperature=0.0, max_tokens=16)
     for prompt in PROMPTS[1:5]:
         # A fresh engine: its prefix cache would start the head after a cached prefix, while
@@ -312,7 +317,7 @@ def test_prompt_features_reach_the_drafter(eagle3: str, smollm_dir: Path) -> Non
         engine.generate([tok.encode_chat([{"role": "user", "content": prompt}])], params)
         stats = engine.speculator.stats
         local = (stats.steps, stats.accepted_tokens)
-        body = chat(eagle3, prompt, temperature=0, max_tokens=16).json()
+        body = chat(url, prompt, temperature=0, max_tokens=16).json()
         remote = body["metrics"]["speculative_decoding"]
         assert (remote["num_spec_steps"], remote["num_accepted_draft_tokens"]) == local, prompt
 
