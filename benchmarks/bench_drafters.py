@@ -1,7 +1,8 @@
-"""Drafters side by side over the services: no speculation, NGRAM, EAGLE, EAGLE-3.
+"""Drafters side by side over the services: no speculation, NGRAM, EAGLE, EAGLE-3, NEXTN.
 
     python benchmarks/bench_drafters.py [--model DIR] [--new-tokens 96] [--runs 3]
-        [--eagle-head DIR] [--eagle3-head DIR] [--setups none,NGRAM,EAGLE3]
+        [--eagle-head DIR] [--eagle3-head DIR] [--nextn-layer DIR]
+        [--setups none,NGRAM,EAGLE3,NEXTN]
         [--temperature 0.7]
 
 Each setup is its own `specmesh up` (five services, shm transport), one request at a
@@ -13,7 +14,8 @@ setup's speed over no speculation and over NGRAM: ratios taken within a run (the
 setups run back to back), then the median over `--runs`. First it prints the verify
 cost curve the engine measures when it starts (what draft budgets are chosen by).
 EAGLE-3 without
-`--eagle3-head` is the head that ships for the default model. Every output is
+`--eagle3-head` and NEXTN without `--nextn-layer` use the drafters that ship for the
+default model. Every output is
 checked to equal the output without speculation (with `--temperature` > 0 each
 request is seeded, and seeded draws do not depend on speculation).
 """
@@ -96,11 +98,12 @@ def main() -> None:
         help="EAGLE head (the setup is skipped without one: none ships)",
     )
     parser.add_argument("--eagle3-head", default=None, help="default: the shipped head")
-    parser.add_argument("--setups", default="none,NGRAM,EAGLE,EAGLE3")
+    parser.add_argument("--nextn-layer", default=None, help="default: the shipped MTP layer")
+    parser.add_argument("--setups", default="none,NGRAM,EAGLE,EAGLE3,NEXTN")
     parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()
     model = Path(args.model) if args.model else fetch_default_model()
-    heads = {"EAGLE": args.eagle_head, "EAGLE3": args.eagle3_head}
+    heads = {"EAGLE": args.eagle_head, "EAGLE3": args.eagle3_head, "NEXTN": args.nextn_layer}
     setups = {}
     for name in args.setups.split(","):
         if name == "none":

@@ -10,13 +10,14 @@ import pytest
 import torch
 from helpers import GREEDY, PROMPTS, tiny_llama
 
+from shared.config import DEFAULT_MODEL_NAME
 from shared.core.tree import DraftTree
 from shared.engine.engine import EngineConfig, LLMEngine
 from shared.engine.speculation import StepCosts, best_budget
 from shared.sampling.params import SamplingParams
 from shared.sampling.sampler import draw, position_generator
 from shared.speculative.accept import accept_sampling
-from shared.speculative.config import SpeculativeConfig
+from shared.speculative.config import HEADS_DIR, SpeculativeConfig
 from shared.speculative.factory import drafter_target_features
 from shared.tokenizer import Tokenizer
 
@@ -333,6 +334,17 @@ def test_unset_tree_options_are_chosen_automatically() -> None:
     assert cfg.speculative_eagle_topk == 1
 
 
+def test_shipped_drafters_are_the_default_with_their_token_maps() -> None:
+    cfg = SpeculativeConfig("MTP").resolved()
+    layer = HEADS_DIR / f"{DEFAULT_MODEL_NAME}-NEXTN"
+    assert cfg.speculative_algorithm == "NEXTN"
+    assert cfg.speculative_draft_model_path == str(layer)
+    assert cfg.speculative_token_map == str(layer / "hot_tokens.json")
+    mapped = SpeculativeConfig("NEXTN", speculative_token_map="mine.json").resolved()
+    assert mapped.speculative_token_map == "mine.json"
+    assert SpeculativeConfig("EAGLE3").resolved().speculative_token_map is None  # own vocab
+
+
 def hot_tokens(tmp_path: Path, answers: list[list[int]]) -> tuple[list[int], Path]:
     """A reduced vocabulary holding the answers' tokens plus the first thousand ids, as a
     token map file."""
@@ -515,11 +527,15 @@ def test_nextn_drafts_from_the_targets_own_mtp_layer_losslessly(
 
 
 def test_nextn_without_mtp_layers_fails_before_loading(smollm_dir: Path, tmp_path: Path) -> None:
-    cfg = SpeculativeConfig(speculative_algorithm="NEXTN").resolved(str(smollm_dir))
-    assert cfg.speculative_draft_model_path == str(smollm_dir)
+    plain = tmp_path / "plain"  # another name: no shipped layer to fall back on
+    plain.mkdir()
+    for f in smollm_dir.iterdir():
+        (plain / f.name).symlink_to(f)
+    cfg = SpeculativeConfig(speculative_algorithm="NEXTN").resolved(str(plain))
+    assert cfg.speculative_draft_model_path == str(plain)
     assert cfg.speculative_num_steps == 3 and cfg.speculative_eagle_topk == 1
     with pytest.raises(ValueError, match="has no MTP layers .*num_nextn_predict_layers"):
-        drafter_target_features(cfg, str(smollm_dir))
+        drafter_target_features(cfg, str(plain))
     target = write_mtp_target(tmp_path / "target", smollm_dir)
     (target / "model-mtp.safetensors").unlink()
     cfg = SpeculativeConfig(speculative_algorithm="NEXTN").resolved(str(target))

@@ -150,6 +150,8 @@ def test_a_tiny_mtp_layer_learns_and_is_saved_in_deepseeks_layout(
     } <= names
     config = json.loads((layer / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 8
+    hot = json.loads((layer / "hot_tokens.json").read_text())  # the token map beside it
+    assert len(hot) == 1024 and hot == sorted(set(hot))
 
     tok = Tokenizer(target)
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in ["Name three rivers."]]

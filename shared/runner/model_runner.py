@@ -89,6 +89,7 @@ class ModelRunner:
             seconds.append(max([best, *seconds[-1:]]))
         return seconds
 
+    @torch.inference_mode()
     def step(
         self, batch: list[tuple[Sequence, int]], trees: dict[Sequence, DraftTree]
     ) -> StepOutput:

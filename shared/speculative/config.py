@@ -14,6 +14,9 @@ CHAIN_ONLY = ("NEXTN",)
 # Drafters trained here for the default model (see heads/*/README.md for how each was made).
 HEADS_DIR = Path(__file__).parent / "heads"
 SHIPPED = {p.name for p in HEADS_DIR.glob("*") if (p / "config.json").is_file()}
+# The token map `specmesh train-draft` writes beside EAGLE heads and MTP layers (FR-Spec:
+# the ids the target chose most often in the training data).
+HOT_TOKENS = "hot_tokens.json"
 
 
 def shipped_drafter(model: str | None, algorithm: str) -> str | None:
@@ -81,6 +84,10 @@ class SpeculativeConfig:
         if algo not in ALGORITHMS:
             raise ValueError(f"--speculative-algorithm must be one of {ALGORITHMS}, got {algo!r}")
         draft = self.speculative_draft_model_path or shipped_drafter(model, algo)
+        token_map = self.speculative_token_map
+        if token_map is None and draft == shipped_drafter(model, algo) and draft:
+            hot = Path(draft) / HOT_TOKENS  # a shipped drafter drafts over its token map
+            token_map = str(hot) if hot.is_file() else None
         if algo == "NEXTN" and not draft and model and Path(model).is_dir():
             draft = model  # the target's own MTP layers (checked when the drafter loads)
         if algo != "NGRAM" and not draft:
@@ -134,6 +141,7 @@ class SpeculativeConfig:
             speculative_num_steps=steps,
             speculative_eagle_topk=topk,
             speculative_num_draft_tokens=tokens,
+            speculative_token_map=token_map,
             speculative_ngram_match_type=self.speculative_ngram_match_type.upper(),
         )
         return SpeculativeConfig(**values)

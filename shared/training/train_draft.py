@@ -25,6 +25,7 @@ from shared.model.config import ModelConfig
 from shared.model.fetch import resolve_model
 from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import load_model
+from shared.speculative.config import HOT_TOKENS
 from shared.speculative.drafter import target_feature_layers
 from shared.speculative.eagle import EagleHead, HeadSpec, save_head, save_mtp
 from shared.tokenizer import Tokenizer
@@ -77,7 +78,11 @@ class TrainDraftConfig:
     )
     max_len: int = option(1024, "longest training sequence, tokens")
     generate_batch: int = option(96, "sequences generated at once")
-    draft_vocab_size: int = option(8192, "EAGLE-3 draft vocabulary: the most frequent targets")
+    draft_vocab_size: int = option(
+        8192,
+        "EAGLE-3's draft vocabulary, the most frequent targets (EAGLE, NEXTN: that many ids "
+        "in the token map written beside the head)",
+    )
     ttt_steps: int = option(5, "draft steps unrolled in training (training-time test)")
     root_fraction: float = option(
         0.25, "fraction of each sample's positions unrolled as drafting roots per step"
@@ -383,6 +388,9 @@ def train_draft(cfg: TrainDraftConfig) -> Path:
         save_mtp(head.cpu().eval(), head_dir, json.loads((target_dir / "config.json").read_text()))
     else:
         save_head(head.cpu().eval(), head_dir, target.config, spec)
+    if not eagle3:  # scoring only the frequent rows of the target's LM head drafts faster
+        hot = draft_vocab(train_s, train_v, cfg.draft_vocab_size, target.config.vocab_size)
+        (head_dir / HOT_TOKENS).write_text(json.dumps(hot.tolist()) + "\n")
     report = {
         "algorithm": cfg.algorithm,
         "options": asdict(cfg),
