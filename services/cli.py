@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
 
     train = commands.add_parser(
         "train-draft",
-        help="train a draft head for a target (self-distilled data, EAGLE-3 TTT)",
+        help="train a drafter (EAGLE/EAGLE-3 head, NEXTN layer) for a target",
         formatter_class=HelpFormatter,
     )
     from shared.training.train_draft import TrainDraftConfig

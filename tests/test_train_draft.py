@@ -115,7 +115,11 @@ def test_a_tiny_head_learns_and_drafts_losslessly(trained: tuple[Path, Path]) ->
     assert last["heldout_acceptance"] > first["heldout_acceptance"] + 0.2, report["history"]
     spec = read_head_spec(head, "EAGLE3", ModelConfig.from_file(target / "config.json"))
     assert spec.draft_vocab == 1024 and spec.target_features == ((1, 3, 4), False)
+    assert_drafts_losslessly(target, "EAGLE3", head)
 
+
+def assert_drafts_losslessly(target: Path, algorithm: str, drafter: Path) -> None:
+    """Greedy output with `drafter` equals the target's own, and some drafts are accepted."""
     tok = Tokenizer(target)
     prompts = [
         tok.encode_chat([{"role": "user", "content": p}])
@@ -124,7 +128,7 @@ def test_a_tiny_head_learns_and_drafts_losslessly(trained: tuple[Path, Path]) ->
     greedy = SamplingParams(temperature=0.0, max_tokens=24)
     plain = LLMEngine(EngineConfig(model=str(target), kv_cache_gb=0.05)).generate(prompts, greedy)
     spec_cfg = SpeculativeConfig(
-        speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head)
+        speculative_algorithm=algorithm, speculative_draft_model_path=str(drafter)
     )
     engine = LLMEngine(EngineConfig(model=str(target), kv_cache_gb=0.05), spec_cfg)
     assert engine.generate(prompts, greedy) == plain
@@ -152,17 +156,7 @@ def test_a_tiny_mtp_layer_learns_and_is_saved_in_deepseeks_layout(
     assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 8
     hot = json.loads((layer / "hot_tokens.json").read_text())  # the token map beside it
     assert len(hot) == 1024 and hot == sorted(set(hot))
-
-    tok = Tokenizer(target)
-    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in ["Name three rivers."]]
-    greedy = SamplingParams(temperature=0.0, max_tokens=24)
-    plain = LLMEngine(EngineConfig(model=str(target), kv_cache_gb=0.05)).generate(prompts, greedy)
-    spec_cfg = SpeculativeConfig(
-        speculative_algorithm="MTP", speculative_draft_model_path=str(layer)
-    )
-    engine = LLMEngine(EngineConfig(model=str(target), kv_cache_gb=0.05), spec_cfg)
-    assert engine.generate(prompts, greedy) == plain
-    assert engine.speculator.stats.accepted_tokens > 0
+    assert_drafts_losslessly(target, "MTP", layer)
 
 
 def test_the_training_run_resumes_from_its_state(
