@@ -385,7 +385,7 @@ def test_token_map_restricts_an_eagle3_heads_vocabulary(
     assert engine.speculator.stats.accepted_tokens > 0  # the shipped head, restricted
     drafter = engine.speculator.drafter
     assert set(drafter.vocab_ids.tolist()) <= set(keep)
-    assert len(drafter.lm_rows) == len(drafter.vocab_ids) < len(drafter.head.d2t)
+    assert drafter.lm_rows.out_features == len(drafter.vocab_ids) < len(drafter.head.d2t)
 
 
 def write_eagle_head(path: Path, eagle3: bool, seed: int = 0) -> str:
