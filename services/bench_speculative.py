@@ -138,10 +138,10 @@ def sweep(cfg: BenchSpeculativeConfig) -> list[Result]:
                 outputs, rate = _run(engine, prompts, params)
                 if outputs != plain_out:
                     raise RuntimeError(f"{algorithm} {shape} changed the greedy output on {name}")
-                stats = engine.speculator.stats
-                result = Result(name, algorithm, shape, rate, stats.acceptance_length)
-                result.speedup = rate / plain_rate
-                results.append(_report(result))
+                accepted = engine.speculator.stats.acceptance_length
+                results.append(
+                    _report(Result(name, algorithm, shape, rate, accepted, rate / plain_rate))
+                )
     _print_best(results)
     if cfg.output:
         Path(cfg.output).write_text(json.dumps([r.__dict__ for r in results], indent=1) + "\n")

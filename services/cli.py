@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from services.decode.config import DecodeConfig
 from services.gateway.config import GatewayConfig
@@ -54,16 +56,18 @@ def _fetch_model(args: argparse.Namespace) -> None:
         sys.exit(f"specmesh fetch-model: {exc}")
 
 
-def _train_draft(args: argparse.Namespace) -> None:
-    from shared.training.train_draft import TrainDraftConfig, train_draft
-
-    print(train_draft(dataclass_from_args(TrainDraftConfig, args)))
-
-
-def _bench_speculative(args: argparse.Namespace) -> None:
-    from services.bench_speculative import BenchSpeculativeConfig, sweep
-
-    sweep(dataclass_from_args(BenchSpeculativeConfig, args))
+def _config_command(
+    commands: argparse._SubParsersAction,
+    name: str,
+    help: str,
+    config: type,
+    run: Callable[[Any], object],
+) -> argparse.ArgumentParser:
+    """A subcommand whose options are `config`'s fields; it calls `run` with that config."""
+    parser = commands.add_parser(name, help=help, formatter_class=HelpFormatter)
+    add_dataclass_args(parser, config)
+    parser.set_defaults(run=lambda args: run(dataclass_from_args(config, args)))
+    return parser
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,28 +87,26 @@ def main(argv: list[str] | None = None) -> None:
     fetch.add_argument("--dest", default=None, help="directory (default: the specmesh cache)")
     fetch.set_defaults(run=_fetch_model)
 
-    train = commands.add_parser(
+    from services.bench_speculative import BenchSpeculativeConfig, sweep
+    from shared.training.train_draft import TrainDraftConfig, train_draft
+
+    train = _config_command(
+        commands,
         "train-draft",
-        help="train a drafter (EAGLE/EAGLE-3 head, NEXTN layer) for a target",
-        formatter_class=HelpFormatter,
+        "train a drafter (EAGLE/EAGLE-3 head, NEXTN layer) for a target",
+        TrainDraftConfig,
+        lambda cfg: print(train_draft(cfg)),
     )
-    from shared.training.train_draft import TrainDraftConfig
-
-    add_dataclass_args(train, TrainDraftConfig)
-    train.set_defaults(run=_train_draft)
-
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
         dest="benchmark", required=True
     )
-    bench_spec = bench.add_parser(
+    bench_spec = _config_command(
+        bench,
         "speculative",
-        help="sweep each algorithm's draft shape over prompt sets; print the best per workload",
-        formatter_class=HelpFormatter,
+        "sweep each algorithm's draft shape over prompt sets; print the best per workload",
+        BenchSpeculativeConfig,
+        sweep,
     )
-    from services.bench_speculative import BenchSpeculativeConfig
-
-    add_dataclass_args(bench_spec, BenchSpeculativeConfig)
-    bench_spec.set_defaults(run=_bench_speculative)
 
     for command in (up, fetch, train, bench_spec):
         add_dataclass_args(command, LogConfig)

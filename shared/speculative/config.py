@@ -83,10 +83,11 @@ class SpeculativeConfig:
         algo = ALIASES.get(algo.upper(), algo.upper())
         if algo not in ALGORITHMS:
             raise ValueError(f"--speculative-algorithm must be one of {ALGORITHMS}, got {algo!r}")
-        draft = self.speculative_draft_model_path or shipped_drafter(model, algo)
+        shipped = shipped_drafter(model, algo)
+        draft = self.speculative_draft_model_path or shipped
         token_map = self.speculative_token_map
-        if token_map is None and draft == shipped_drafter(model, algo) and draft:
-            hot = Path(draft) / HOT_TOKENS  # a shipped drafter drafts over its token map
+        if token_map is None and shipped and draft == shipped:
+            hot = Path(shipped) / HOT_TOKENS  # a shipped drafter drafts over its token map
             token_map = str(hot) if hot.is_file() else None
         if algo == "NEXTN" and not draft and model and Path(model).is_dir():
             draft = model  # the target's own MTP layers (checked when the drafter loads)

@@ -197,7 +197,10 @@ def read_mtp_spec(path: Path, target: ModelConfig) -> HeadSpec:
             f"the target's are {target.hidden_size} and {target.vocab_size}"
         )
     prefix = f"model.layers.{raw['num_hidden_layers']}."
-    names = {name for _, name in _checkpoint_keys(path)}
+    names = set()
+    for file in _safetensors_files(path):
+        with safe_open(file, "pt") as f:
+            names |= set(f.keys())
     if raw["num_hidden_layers"] == 1 and prefix + "eh_proj.weight" not in names:
         prefix = "model.layers.0."  # SGLang's extracted-layer checkpoints
     if missing := [n for n in MTP_WANTED if prefix + n not in names]:
@@ -207,10 +210,11 @@ def read_mtp_spec(path: Path, target: ModelConfig) -> HeadSpec:
     )
 
 
-def _mtp_name(name: str) -> str:
-    for theirs, ours in MTP_RENAMES.items():
-        if name.startswith(theirs):
-            return ours + name.removeprefix(theirs)
+def _renamed(name: str, renames: dict[str, str]) -> str:
+    """`name` with the first matching prefix of `renames` replaced."""
+    for old, new in renames.items():
+        if name.startswith(old):
+            return new + name.removeprefix(old)
     return name
 
 
@@ -256,14 +260,11 @@ def read_head_spec(path: Path, algo: str, target: ModelConfig) -> HeadSpec:
     return HeadSpec(cfg, draft_vocab, (layers, normed))
 
 
-def _checkpoint_keys(path: Path) -> Iterator[tuple[Path, str]]:
-    """(file, tensor name) of every tensor in a safetensors checkpoint, sharded or not."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"NEXTN reads safetensors checkpoints; {path} holds none")
-    for file in files:
-        with safe_open(file, "pt") as f:
-            yield from ((file, name) for name in f.keys())
+def _safetensors_files(path: Path) -> list[Path]:
+    """The files of a safetensors checkpoint, sharded or not (NEXTN reads any of them)."""
+    if files := sorted(path.glob("*.safetensors")):
+        return files
+    raise ValueError(f"NEXTN reads safetensors checkpoints; {path} holds none")
 
 
 def _head_tensors(path: Path, spec: HeadSpec) -> Iterator[tuple[str, torch.Tensor]]:
@@ -272,11 +273,12 @@ def _head_tensors(path: Path, spec: HeadSpec) -> Iterator[tuple[str, torch.Tenso
         for name, tensor in _read_weights(path).items():
             yield name.removeprefix("midlayer.").removeprefix("layers.0."), tensor
         return
-    for file, name in _checkpoint_keys(path):
-        short = name.removeprefix(spec.mtp_prefix)
-        if short != name and short not in MTP_SHARED:
-            with safe_open(file, "pt") as f:
-                yield _mtp_name(short), f.get_tensor(name)
+    for file in _safetensors_files(path):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                short = name.removeprefix(spec.mtp_prefix)
+                if short != name and short not in MTP_SHARED:
+                    yield _renamed(short, MTP_RENAMES), f.get_tensor(name)
 
 
 def load_head(
@@ -354,14 +356,12 @@ def save_mtp(head: EagleHead, path: Path, target_config: dict) -> None:
     num_nextn_predict_layers, so that NEXTN loads it as a draft path (and the tensors could
     join the target's own checkpoint)."""
     path.mkdir(parents=True, exist_ok=True)
-    ours = {v: k for k, v in MTP_RENAMES.items()}
+    theirs = {ours: name for name, ours in MTP_RENAMES.items()}
     prefix = f"model.layers.{target_config['num_hidden_layers']}."
     tensors = {}
     for name, tensor in head.state_dict().items():
         for part, value in split_fused(name, tensor, fused_slices(head.config)):
-            top = next((t for t in ours if part.startswith(t)), None)
-            key = ours[top] + part.removeprefix(top) if top else part
-            tensors[prefix + key] = value.to(torch.bfloat16).contiguous()
+            tensors[prefix + _renamed(part, theirs)] = value.to(torch.bfloat16).contiguous()
     save_file(tensors, path / "model.safetensors")
     config = {**target_config, "num_nextn_predict_layers": 1, "torch_dtype": "bfloat16"}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -290,12 +290,14 @@ def train_draft(cfg: TrainDraftConfig) -> Path:
     random.Random(cfg.seed).shuffle(order)
     n_held = max(1, int(len(samples) * cfg.heldout))
     held, train = order[:n_held], order[n_held:]
-    draft_ids = None
-    if eagle3:
-        train_samples = [samples[i] for i in train]
-        draft_ids = draft_vocab(
-            train_samples, [views[i] for i in train], cfg.draft_vocab_size, target.config.vocab_size
-        ).to(device)
+    # EAGLE-3's draft vocabulary; for the others the token map written beside the head.
+    frequent = draft_vocab(
+        [samples[i] for i in train],
+        [views[i] for i in train],
+        cfg.draft_vocab_size,
+        target.config.vocab_size,
+    )
+    draft_ids = frequent.to(device) if eagle3 else None
     head, hcfg = new_head(target, cfg.algorithm, draft_ids, cfg.seed)
     head.to(device).train()
     spec = HeadSpec(hcfg, len(draft_ids) if eagle3 else hcfg.vocab_size, (layers, normed))
@@ -389,8 +391,7 @@ def train_draft(cfg: TrainDraftConfig) -> Path:
     else:
         save_head(head.cpu().eval(), head_dir, target.config, spec)
     if not eagle3:  # scoring only the frequent rows of the target's LM head drafts faster
-        hot = draft_vocab(train_s, train_v, cfg.draft_vocab_size, target.config.vocab_size)
-        (head_dir / HOT_TOKENS).write_text(json.dumps(hot.tolist()) + "\n")
+        (head_dir / HOT_TOKENS).write_text(json.dumps(frequent.tolist()) + "\n")
     report = {
         "algorithm": cfg.algorithm,
         "options": asdict(cfg),
