@@ -1,8 +1,9 @@
-"""Drafters side by side over the services: no speculation, NGRAM, EAGLE, EAGLE-3, NEXTN.
+"""Drafters side by side over the services: no speculation, NGRAM, STANDALONE, EAGLE,
+EAGLE-3, NEXTN, DFLASH.
 
     python benchmarks/bench_drafters.py [--model DIR] [--new-tokens 96] [--runs 3]
-        [--eagle-head DIR] [--eagle3-head DIR] [--nextn-layer DIR]
-        [--setups none,NGRAM,EAGLE3,NEXTN]
+        [--standalone-draft DIR] [--eagle-head DIR] [--eagle3-head DIR] [--nextn-layer DIR]
+        [--dflash-draft DIR] [--setups none,NGRAM,EAGLE3,NEXTN,DFLASH]
         [--temperature 0.7]
 
 Each setup is its own `specmesh up` (five services, shm transport), one request at a
@@ -13,9 +14,9 @@ generated tokens/s and the acceptance length (tokens per verify step), and each
 setup's speed over no speculation and over NGRAM: ratios taken within a run (the
 setups run back to back), then the median over `--runs`. First it prints the verify
 cost curve the engine measures when it starts (what draft budgets are chosen by).
-EAGLE-3 without
-`--eagle3-head` and NEXTN without `--nextn-layer` use the drafters that ship for the
-default model. Every output is
+A setup
+without its drafter option uses the drafter that ships for the default model (a setup
+with neither is skipped). Every output is
 checked to equal the output without speculation (with `--temperature` > 0 each
 request is seeded, and seeded draws do not depend on speculation).
 """
@@ -40,7 +41,7 @@ from deployment import specmesh_up  # noqa: E402
 from shared.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from shared.infra import start_nats  # noqa: E402
 from shared.model.fetch import fetch_default_model  # noqa: E402
-from shared.speculative.config import SpeculativeConfig  # noqa: E402
+from shared.speculative.config import SpeculativeConfig, shipped_drafter  # noqa: E402
 
 CHAT = json.loads((Path(__file__).parent / "prompts" / "chat_heldout.json").read_text())
 SETS = {"chat": CHAT, "copy": REWRITE + REPEAT}
@@ -92,24 +93,26 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument(
-        "--eagle-head",
-        default=None,
-        help="EAGLE head (the setup is skipped without one: none ships)",
-    )
-    parser.add_argument("--eagle3-head", default=None, help="default: the shipped head")
-    parser.add_argument("--nextn-layer", default=None, help="default: the shipped MTP layer")
-    parser.add_argument("--setups", default="none,NGRAM,EAGLE,EAGLE3,NEXTN")
+    drafters = {
+        "STANDALONE": "--standalone-draft",
+        "EAGLE": "--eagle-head",
+        "EAGLE3": "--eagle3-head",
+        "NEXTN": "--nextn-layer",
+        "DFLASH": "--dflash-draft",
+    }
+    for algorithm, flag in drafters.items():
+        parser.add_argument(flag, default=None, help=f"{algorithm} drafter (default: shipped)")
+    parser.add_argument("--setups", default="none,NGRAM,STANDALONE,EAGLE,EAGLE3,NEXTN,DFLASH")
     parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()
     model = Path(args.model) if args.model else fetch_default_model()
-    heads = {"EAGLE": args.eagle_head, "EAGLE3": args.eagle3_head, "NEXTN": args.nextn_layer}
+    heads = {a: getattr(args, f.removeprefix("--").replace("-", "_")) for a, f in drafters.items()}
     setups = {}
     for name in args.setups.split(","):
         if name == "none":
             setups[name] = []
-        elif name == "EAGLE" and not args.eagle_head:
-            print("skipping EAGLE: no --eagle-head given")
+        elif name in heads and not heads[name] and not shipped_drafter(str(model), name):
+            print(f"skipping {name}: no {drafters[name]} given and none ships")
         else:
             setups[name] = ["--speculative-algorithm", name]
             if heads.get(name):

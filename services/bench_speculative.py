@@ -44,13 +44,15 @@ class BenchSpeculativeConfig:
     """Each field is also a `specmesh bench speculative` option."""
 
     model: str | None = model_option()
-    algorithms: str = option("NGRAM,EAGLE3,NEXTN", "comma-separated algorithms to sweep")
+    algorithms: str = option("NGRAM,EAGLE3,NEXTN,DFLASH", "comma-separated algorithms to sweep")
     speculative_draft_model_path: str | None = option(
         None, "draft for the one algorithm swept (default: the drafter shipped for the model)"
     )
     num_steps: str = option("1,2,3,5", "--speculative-num-steps values (model drafters)")
     topk: str = option("1,2", "--speculative-eagle-topk values (chain-only algorithms: 1)")
-    num_draft_tokens: str = option("4,8,12", "--speculative-num-draft-tokens values (NGRAM)")
+    num_draft_tokens: str = option(
+        "4,8", "--speculative-num-draft-tokens values (NGRAM; DFLASH: block sizes)"
+    )
     workloads: str = option(
         DEFAULT_WORKLOADS,
         "comma-separated NAME=FILE.json: a JSON list of prompts, or an object of such lists",
@@ -61,7 +63,7 @@ class BenchSpeculativeConfig:
 
     def grid(self, algorithm: str) -> list[Shape]:
         """The shapes swept for `algorithm`."""
-        if algorithm == "NGRAM":
+        if algorithm in ("NGRAM", "DFLASH"):  # a chain of tokens - 1 drafts per step
             return [(t - 1, 1, t) for t in _ints(self.num_draft_tokens, "num-draft-tokens")]
         topks = [1] if algorithm in CHAIN_ONLY else _ints(self.topk, "topk")
         return [

@@ -209,12 +209,13 @@ def test_speculative_sampling_matches_the_target_distribution(
         assert stat > bound, (stat, dof)
 
 
-def test_eagle3_sampling_with_the_trained_head_keeps_the_distribution(
-    smollm_dir: Path, prompt_ids: list[list[int]]
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "NEXTN", "DFLASH"])
+def test_sampling_with_a_trained_drafter_keeps_the_distribution(
+    algorithm: str, smollm_dir: Path, prompt_ids: list[list[int]]
 ) -> None:
-    """Temperature 0.7 (top-k 4, so the joint of three tokens is enumerable) with the head
-    that ships for SmolLM2: the draws follow the target's distribution."""
-    engine = spec_engine(smollm_dir, speculative_algorithm="EAGLE3")
+    """Temperature 0.7 (top-k 4, so the joint of three tokens is enumerable) with the
+    drafter that ships for SmolLM2: the draws follow the target's distribution."""
+    engine = spec_engine(smollm_dir, speculative_algorithm=algorithm)
     prompt, n = prompt_ids[PROMPTS.index("Write the alphabet in capital letters.")], 2000
     params = [SamplingParams(temperature=0.7, top_k=4, max_tokens=3, seed=i) for i in range(n)]
     samples: list[tuple[int, ...]] = []

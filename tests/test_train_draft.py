@@ -159,6 +159,28 @@ def test_a_tiny_mtp_layer_learns_and_is_saved_in_deepseeks_layout(
     assert_drafts_losslessly(target, "MTP", layer)
 
 
+def test_a_tiny_dflash_draft_learns_and_is_saved_in_z_labs_layout(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    target, eagle3_head = trained
+    cfg = dataclasses.replace(
+        tiny_config(target, tmp_path / "out"), algorithm="DFLASH", block_size=4, draft_layers=2
+    )
+    shutil.copytree(eagle3_head.parent / "data", tmp_path / "out" / "data")  # same answers
+    draft = train_draft(cfg)
+    history = json.loads((draft / "training.json").read_text())["history"]
+    assert history[-1]["heldout_acceptance"] > history[0]["heldout_acceptance"] + 0.2, history
+    config = json.loads((draft / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 4
+    # z-lab's default layers for 2 draft layers of an 8-layer target; the mask is EOS, as
+    # SmolLM2's tokenizer leaves no embedding row free
+    assert config["dflash_config"] == {"mask_token_id": 2, "target_layer_ids": [1, 5]}
+    names = set(load_file(draft / "model.safetensors"))
+    assert {"fc.weight", "hidden_norm.weight", "layers.1.self_attn.k_norm.weight"} <= names
+    assert not any("embed" in n or "lm_head" in n for n in names)  # the target's
+    assert_drafts_losslessly(target, "DFLASH", draft)
+
+
 def test_the_training_run_resumes_from_its_state(
     trained: tuple[Path, Path], tmp_path: Path
 ) -> None:

@@ -2,21 +2,33 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.config import DEFAULT_MODEL_NAME, option
 
-ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN")
+ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN", "DFLASH")
 ALIASES = {"MTP": "NEXTN"}  # SGLang's names for the same algorithm
 # Drafters that grow one chain: a draft step's top-1 only (SGLang: topk 1).
-CHAIN_ONLY = ("NEXTN",)
+CHAIN_ONLY = ("NEXTN", "DFLASH")
 # Drafters trained here for the default model (see heads/*/README.md for how each was made).
 HEADS_DIR = Path(__file__).parent / "heads"
 SHIPPED = {p.name for p in HEADS_DIR.glob("*") if (p / "config.json").is_file()}
 # The token map `specmesh train-draft` writes beside EAGLE heads and MTP layers (FR-Spec:
 # the ids the target chose most often in the training data).
 HOT_TOKENS = "hot_tokens.json"
+
+
+def trained_block_size(draft: str) -> int | None:
+    """The block a DFLASH draft was trained for (its config.json `block_size`; None: no
+    readable config, left to the drafter to report)."""
+    try:
+        raw = json.loads((Path(draft) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    size = raw.get("block_size") or (raw.get("dflash_config") or {}).get("block_size")
+    return int(size) if isinstance(size, int) else None
 
 
 def shipped_drafter(model: str | None, algorithm: str) -> str | None:
@@ -38,15 +50,21 @@ class SpeculativeConfig:
     )
     speculative_draft_model_path: str | None = option(
         None,
-        "draft LM (STANDALONE), head (EAGLE, EAGLE3) or MTP layer (NEXTN; unset: the "
-        "target's own); unset on the default model: the drafter trained for it that ships "
-        "with specmesh",
+        "draft LM (STANDALONE), head (EAGLE, EAGLE3), MTP layer (NEXTN; unset: the "
+        "target's own) or block draft (DFLASH); unset on the default model: the drafter "
+        "trained for it that ships with specmesh",
         aliases=("--speculative-draft-model",),
     )
     speculative_num_steps: int | None = option(None, "draft depth (unset: chosen automatically)")
     speculative_eagle_topk: int | None = option(None, "branching per draft step (1 = chain)")
     speculative_num_draft_tokens: int | None = option(
-        None, "tokens verified per step, root included (topk=1: num_steps+1)"
+        None,
+        "tokens verified per step, root included (topk=1: num_steps+1; DFLASH: the block "
+        "drafted at once, default the draft's trained block size)",
+        aliases=("--speculative-dflash-block-size",),
+    )
+    speculative_dflash_draft_window_size: int | None = option(
+        None, "DFLASH: the most recent target positions the draft keeps as context (unset: all)"
     )
     speculative_accept_threshold_single: float = option(
         1.0, "accept a draft whose target probability reaches this (1 = exact sampling)"
@@ -56,8 +74,8 @@ class SpeculativeConfig:
     )
     speculative_token_map: str | None = option(
         None,
-        "FR-Spec: .pt or .json list of token ids the draft LM head keeps (STANDALONE, "
-        "EAGLE, EAGLE3)",
+        "FR-Spec: .pt or .json list of token ids the draft LM head keeps (every algorithm "
+        "but NGRAM)",
     )
     speculative_ngram_min_bfs_breadth: int = option(1, "NGRAM: branching at the deepest level")
     speculative_ngram_max_bfs_breadth: int = option(8, "NGRAM: branching at the first level")
@@ -110,7 +128,9 @@ class SpeculativeConfig:
             self.speculative_eagle_topk,
             self.speculative_num_draft_tokens,
         )
-        if steps is None and topk is None and tokens is None:
+        if algo == "DFLASH":
+            steps, topk, tokens = self._dflash_shape(draft)
+        elif steps is None and topk is None and tokens is None:
             # Verification is not flat on CPU, so the defaults stay small; NGRAM trees are
             # cheap to build and wider.
             steps, topk, tokens = {"NGRAM": (7, 1, 8), "NEXTN": (3, 1, 4)}.get(algo, (4, 1, 5))
@@ -135,6 +155,9 @@ class SpeculativeConfig:
                 f"--speculative-num-draft-tokens {tokens} exceeds what {steps} steps of "
                 f"topk {topk} can draft ({steps * topk + 1})"
             )
+        window = self.speculative_dflash_draft_window_size
+        if window is not None and (algo != "DFLASH" or window < 1):
+            raise ValueError("--speculative-dflash-draft-window-size is >= 1, for DFLASH only")
         values = {**self.__dict__}
         values.update(
             speculative_algorithm=algo,
@@ -146,3 +169,16 @@ class SpeculativeConfig:
             speculative_ngram_match_type=self.speculative_ngram_match_type.upper(),
         )
         return SpeculativeConfig(**values)
+
+    def _dflash_shape(self, draft: str) -> tuple[int, int, int]:
+        """(num_steps, topk, num_draft_tokens) of a DFLASH block: one chain of block - 1
+        drafts, the block no larger than the draft was trained for."""
+        steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
+        trained = trained_block_size(draft)
+        tokens = tokens or (steps + 1 if steps else trained or 16)
+        if trained and tokens > trained:
+            raise ValueError(
+                f"--speculative-dflash-block-size {tokens} exceeds the block the DFLASH draft "
+                f"at {draft} was trained for ({trained})"
+            )
+        return steps or tokens - 1, self.speculative_eagle_topk or 1, tokens

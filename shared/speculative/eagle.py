@@ -42,7 +42,12 @@ from shared.model.loader import checkpoint_names, copy_into, fused_slices, split
 from shared.model.rope import rope_cos_sin
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.drafter import DraftRequest, LocalDrafter, target_feature_layers
-from shared.speculative.standalone import DRAFT_PARAMS, TreeSearch, load_token_map
+from shared.speculative.standalone import (
+    DRAFT_PARAMS,
+    TreeSearch,
+    load_token_map,
+    packed_lm_head,
+)
 
 
 class EagleHead(nn.Module):
@@ -367,15 +372,6 @@ def save_mtp(head: EagleHead, path: Path, target_config: dict) -> None:
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _lm_head(rows: torch.Tensor) -> Linear:
-    """An LM head over `rows` [n, hidden], packed where the platform allows (a token map's
-    rows scored by a plain matmul cost ~4x more per draft step on CPU)."""
-    head = Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
-    head.weight = nn.Parameter(rows.detach().clone(), requires_grad=False)
-    head.pack(keep_weight=False)
-    return head
-
-
 class EagleDrafter(LocalDrafter):
     def __init__(
         self,
@@ -424,9 +420,11 @@ class EagleDrafter(LocalDrafter):
                 raise ValueError(
                     f"--speculative-token-map {token_map} keeps none of the head's draft vocabulary"
                 )
-            self.lm_rows, self.vocab_ids = _lm_head(head.lm_head.weight[keep]), self.vocab_ids[keep]
+            self.lm_rows = packed_lm_head(head.lm_head.weight[keep])
+            self.vocab_ids = self.vocab_ids[keep]
         else:
-            self.lm_rows, self.vocab_ids = _lm_head(self.target.lm_head.weight[listed]), listed
+            self.lm_rows = packed_lm_head(self.target.lm_head.weight[listed])
+            self.vocab_ids = listed
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_rows is None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from shared.model.config import ModelConfig
 from shared.model.llama import LlamaForCausalLM
 from shared.speculative.config import SpeculativeConfig
+from shared.speculative.dflash import DFlashDrafter, read_dflash_spec
 from shared.speculative.drafter import Drafter
 from shared.speculative.eagle import EagleDrafter, read_head_spec
 from shared.speculative.ngram import NgramDrafter
@@ -18,13 +19,15 @@ from shared.speculative.standalone import DraftModelDrafter
 
 def drafter_target_features(cfg: SpeculativeConfig, model_dir: str) -> tuple[tuple[int, ...], bool]:
     """The target layers the drafter of `cfg` (resolved) reads from the target in
-    `model_dir`; checks that an EAGLE head fits that target (ValueError otherwise) from
-    the configs alone, without loading any weights."""
+    `model_dir`; checks that an EAGLE head or DFLASH draft fits that target (ValueError
+    otherwise) from the configs and tensor names alone, without loading any weights."""
     algo = cfg.speculative_algorithm
-    if algo not in ("EAGLE", "EAGLE3", "NEXTN"):
+    if algo not in ("EAGLE", "EAGLE3", "NEXTN", "DFLASH"):
         return (), False
     target = ModelConfig.from_file(Path(model_dir) / "config.json")
     path = Path(cfg.speculative_draft_model_path or "")
+    if algo == "DFLASH":
+        return read_dflash_spec(path, target).target_layers, False
     return read_head_spec(path, algo, target).target_features
 
 
@@ -36,4 +39,6 @@ def make_drafter(cfg: SpeculativeConfig, target: LlamaForCausalLM | None) -> Dra
     assert target is not None
     if algo == "STANDALONE":
         return DraftModelDrafter(cfg, target)
+    if algo == "DFLASH":
+        return DFlashDrafter(cfg, target)
     return EagleDrafter(cfg, target)

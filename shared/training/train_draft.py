@@ -13,6 +13,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from shared.model.fetch import resolve_model
 from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import load_model
 from shared.speculative.config import HOT_TOKENS
+from shared.speculative.dflash import default_target_layers, save_dflash
 from shared.speculative.drafter import target_feature_layers
 from shared.speculative.eagle import EagleHead, HeadSpec, save_head, save_mtp
 from shared.tokenizer import Tokenizer
@@ -37,7 +39,10 @@ from shared.training.data import (
     self_distill,
     self_written_prompts,
 )
+from shared.training.dflash_trainer import block_loss, mask_token_id, new_dflash
 from shared.training.eagle_trainer import (
+    Batch,
+    StepResult,
     acceptance_length,
     collate,
     lr_at,
@@ -48,7 +53,7 @@ from shared.training.features import TargetView, capture_layers, extract, from_c
 from shared.training.prompts import training_prompts
 
 log = logging.getLogger(__name__)
-TRAINABLE = ("EAGLE3", "EAGLE", "NEXTN")
+TRAINABLE = ("EAGLE3", "EAGLE", "NEXTN", "DFLASH")
 
 
 @dataclass
@@ -85,8 +90,12 @@ class TrainDraftConfig:
     )
     ttt_steps: int = option(5, "draft steps unrolled in training (training-time test)")
     root_fraction: float = option(
-        0.25, "fraction of each sample's positions unrolled as drafting roots per step"
+        0.25,
+        "fraction of each sample's positions unrolled as drafting roots (DFLASH: block "
+        "anchors) per step",
     )
+    block_size: int = option(8, "DFLASH: tokens per block, the root included")
+    draft_layers: int = option(3, "DFLASH: decoder layers of the draft")
     epochs: float = option(2.0, "passes over the training data")
     lr: float = option(5e-4, "peak learning rate (AdamW, warm-up then cosine)")
     batch_tokens: int = option(4096, "tokens per optimizer step")
@@ -110,6 +119,8 @@ class TrainDraftConfig:
             raise ValueError(f"--self-prompts must be >= 0, got {self.self_prompts}")
         if self.exclude:
             read_prompt_list(Path(self.exclude))  # a bad file fails before anything loads
+        if self.block_size < 2 or self.draft_layers < 1:
+            raise ValueError("--block-size must be >= 2 and --draft-layers >= 1")
         if self.ttt_steps < 1 or self.epochs <= 0 or not 0 < self.heldout < 1:
             raise ValueError("--ttt-steps must be >= 1, --epochs > 0, --heldout in (0, 1)")
         if not 0 < self.root_fraction <= 1:
@@ -250,26 +261,86 @@ def new_head(
     return head, cfg
 
 
+@dataclass
+class Trainee:
+    """What the training loop needs of a drafter: its module, its loss over a batch (with
+    the fraction of positions used as drafting roots or anchors), and how it is saved."""
+
+    module: torch.nn.Module
+    loss: Callable[[Batch, float, torch.Generator | None], StepResult]
+    save: Callable[[Path], None]
+
+
+def eagle_trainee(
+    cfg: TrainDraftConfig,
+    target: LlamaForCausalLM,
+    frequent: torch.Tensor,
+    features: tuple[tuple[int, ...], bool],
+    target_dir: Path,
+) -> Trainee:
+    """An EAGLE/EAGLE-3 head or NEXTN layer, trained unrolled over `ttt_steps` draft steps."""
+    eagle3 = cfg.algorithm == "EAGLE3"
+    draft_ids = frequent.to(target.lm_head.weight.device) if eagle3 else None
+    head, hcfg = new_head(target, cfg.algorithm, draft_ids, cfg.seed)
+    spec = HeadSpec(hcfg, len(frequent) if eagle3 else hcfg.vocab_size, features)
+
+    def loss(batch: Batch, fraction: float, generator: torch.Generator | None) -> StepResult:
+        return unrolled_loss(head, target, batch, cfg.ttt_steps, draft_ids, fraction, generator)
+
+    def save(path: Path) -> None:
+        if head.mtp:
+            save_mtp(head.cpu().eval(), path, json.loads((target_dir / "config.json").read_text()))
+        else:
+            save_head(head.cpu().eval(), path, target.config, spec)
+
+    return Trainee(head, loss, save)
+
+
+def dflash_trainee(
+    cfg: TrainDraftConfig, target: LlamaForCausalLM, frequent: torch.Tensor, tokenizer: Tokenizer
+) -> Trainee:
+    """A DFLASH block draft, scoring the frequent ids (its token map) in training."""
+    mask = mask_token_id(tokenizer, target.config.vocab_size)
+    draft = new_dflash(target, cfg.draft_layers, cfg.block_size, mask, cfg.seed)
+    vocab_ids = frequent.to(target.lm_head.weight.device)
+
+    def loss(batch: Batch, fraction: float, generator: torch.Generator | None) -> StepResult:
+        return block_loss(draft, target, batch, vocab_ids, fraction, generator)
+
+    return Trainee(draft, loss, lambda path: save_dflash(draft.cpu().eval(), path, target.config))
+
+
 @torch.no_grad()
-def evaluate(head, target, samples, views, batches, cfg, draft_ids, device) -> tuple[float, float]:
-    """Held-out (loss, acceptance length of greedy chain drafting over ttt_steps)."""
-    head.eval()
+def evaluate(
+    trainee: Trainee,
+    samples: list[Sample],
+    views: list[TargetView],
+    batches: list[list[int]],
+    device: torch.device,
+) -> tuple[float, float]:
+    """Held-out (loss, acceptance length of greedy chain drafting)."""
+    trainee.module.eval()
     losses, corrects, valids = [], [], []
     for idx in batches:
-        r = unrolled_loss(
-            head, target, collate(samples, views, idx, device), cfg.ttt_steps, draft_ids
-        )
+        r = trainee.loss(collate(samples, views, idx, device), 1.0, None)
         losses.append(r.loss.item())
         corrects.append(r.correct)
         valids.append(r.valid)
-    head.train()
+    trainee.module.train()
     return sum(losses) / max(1, len(losses)), acceptance_length(
         torch.cat(corrects), torch.cat(valids)
     )
 
 
+def feature_layers(cfg: TrainDraftConfig, num_layers: int) -> tuple[tuple[int, ...], bool]:
+    """The target layers the drafter reads, and whether the one is final-normed."""
+    if cfg.algorithm == "DFLASH":
+        return default_target_layers(num_layers, cfg.draft_layers), False
+    return target_feature_layers(cfg.algorithm, num_layers)
+
+
 def train_draft(cfg: TrainDraftConfig) -> Path:
-    """Run every stage; returns the directory of the trained head."""
+    """Run every stage; returns the directory of the trained drafter."""
     cfg = cfg.checked()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -277,30 +348,30 @@ def train_draft(cfg: TrainDraftConfig) -> Path:
     target_dir = resolve_model(cfg.target)
     tokenizer = Tokenizer(target_dir)
     num_layers = ModelConfig.from_file(target_dir / "config.json").num_layers
-    layers, normed = target_feature_layers(cfg.algorithm, num_layers)
+    layers, normed = feature_layers(cfg, num_layers)
     samples, captured = gather_samples(
         cfg, target_dir, tokenizer, capture_layers(layers, normed, num_layers)
     )
     if len(samples) < 2:
         raise ValueError("not enough training data: give --num-prompts > 1 or --data")
     target = load_model(target_dir, device, torch.float32).requires_grad_(False)
-    eagle3 = cfg.algorithm == "EAGLE3"
     views = target_views(target, samples, captured, layers, normed, cfg.temperature == 0)
     order = list(range(len(samples)))
     random.Random(cfg.seed).shuffle(order)
     n_held = max(1, int(len(samples) * cfg.heldout))
     held, train = order[:n_held], order[n_held:]
-    # EAGLE-3's draft vocabulary; for the others the token map written beside the head.
+    # EAGLE-3's draft vocabulary; for the others the token map written beside the drafter.
     frequent = draft_vocab(
         [samples[i] for i in train],
         [views[i] for i in train],
         cfg.draft_vocab_size,
         target.config.vocab_size,
     )
-    draft_ids = frequent.to(device) if eagle3 else None
-    head, hcfg = new_head(target, cfg.algorithm, draft_ids, cfg.seed)
-    head.to(device).train()
-    spec = HeadSpec(hcfg, len(draft_ids) if eagle3 else hcfg.vocab_size, (layers, normed))
+    if cfg.algorithm == "DFLASH":
+        trainee = dflash_trainee(cfg, target, frequent, tokenizer)
+    else:
+        trainee = eagle_trainee(cfg, target, frequent, (layers, normed), target_dir)
+    module = trainee.module.to(device).train()
 
     train_batches = lambda epoch: make_batches(  # noqa: E731
         [samples[i] for i in train], [views[i] for i in train], cfg.batch_tokens, cfg.seed + epoch
@@ -312,7 +383,7 @@ def train_draft(cfg: TrainDraftConfig) -> Path:
     train_s, train_v = [samples[i] for i in train], [views[i] for i in train]
     per_epoch = len(train_batches(0))
     total = max(1, int(per_epoch * cfg.epochs))
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(module.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     state_path = out / "train_state.pt"
     step, history = 0, []
     if state_path.exists():
@@ -321,7 +392,7 @@ def train_draft(cfg: TrainDraftConfig) -> Path:
             raise ValueError(
                 f"{state_path} was written with other options; remove it to start over"
             )
-        head.load_state_dict(state["head"])
+        module.load_state_dict(state["head"])
         opt.load_state_dict(state["optimizer"])
         step, history = state["step"], state["history"]
         log.info("resuming at step %d of %d", step, total)
@@ -330,7 +401,7 @@ def train_draft(cfg: TrainDraftConfig) -> Path:
         torch.save(
             {
                 "config": asdict(cfg),
-                "head": head.state_dict(),
+                "head": module.state_dict(),
                 "optimizer": opt.state_dict(),
                 "step": step,
                 "history": history,
@@ -338,9 +409,7 @@ def train_draft(cfg: TrainDraftConfig) -> Path:
             state_path,
         )
 
-    held_loss, held_acc = evaluate(
-        head, target, held_s, held_v, held_batches, cfg, draft_ids, device
-    )
+    held_loss, held_acc = evaluate(trainee, held_s, held_v, held_batches, device)
     if not history:
         history.append({"step": 0, "heldout_loss": held_loss, "heldout_acceptance": held_acc})
     log.info("held-out at step %d: loss %.3f, acceptance length %.3f", step, held_loss, held_acc)
@@ -352,27 +421,17 @@ def train_draft(cfg: TrainDraftConfig) -> Path:
         idx = train_batches(epoch)[within]
         for group in opt.param_groups:
             group["lr"] = lr_at(step, total, cfg.lr)
-        result = unrolled_loss(
-            head,
-            target,
-            collate(train_s, train_v, idx, device),
-            cfg.ttt_steps,
-            draft_ids,
-            cfg.root_fraction,
-            generator,
-        )
+        result = trainee.loss(collate(train_s, train_v, idx, device), cfg.root_fraction, generator)
         opt.zero_grad(set_to_none=True)
         result.loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 0.5)
         opt.step()
         step += 1
         bar.update(1)
         bar.set_postfix(loss=f"{result.loss.item():.3f}", heldout_acc=f"{held_acc:.2f}")
         timed_out = cfg.minutes is not None and time.monotonic() - started > cfg.minutes * 60
         if step % cfg.eval_every == 0 or step == total or timed_out:
-            held_loss, held_acc = evaluate(
-                head, target, held_s, held_v, held_batches, cfg, draft_ids, device
-            )
+            held_loss, held_acc = evaluate(trainee, held_s, held_v, held_batches, device)
             history.append(
                 {"step": step, "heldout_loss": held_loss, "heldout_acceptance": held_acc}
             )
@@ -386,11 +445,8 @@ def train_draft(cfg: TrainDraftConfig) -> Path:
             break
     bar.close()
     head_dir = out / "head"
-    if head.mtp:
-        save_mtp(head.cpu().eval(), head_dir, json.loads((target_dir / "config.json").read_text()))
-    else:
-        save_head(head.cpu().eval(), head_dir, target.config, spec)
-    if not eagle3:  # scoring only the frequent rows of the target's LM head drafts faster
+    trainee.save(head_dir)
+    if cfg.algorithm != "EAGLE3":  # scoring only the frequent rows of the LM head drafts faster
         (head_dir / HOT_TOKENS).write_text(json.dumps(frequent.tolist()) + "\n")
     report = {
         "algorithm": cfg.algorithm,
