@@ -74,6 +74,21 @@ class ModelConfig:
     def from_file(cls, path: Path) -> ModelConfig:
         return cls.from_hf(json.loads(Path(path).read_text()))
 
+    def hf_shape(self) -> dict[str, Any]:
+        """The decoder's shape under config.json's keys (what a saved drafter's config
+        repeats of its layers)."""
+        return {
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
+
     @property
     def kv_elements_per_token(self) -> int:
         """K and V elements one token occupies across all layers (times dtype size = bytes)."""
