@@ -147,14 +147,14 @@ def main() -> None:
     print(
         f"\nconcurrency 1, {sampling}, up to {args.new_tokens} tokens, medians of {args.runs} runs"
     )
-    print(f"{'setup':<8}{'set':<6}{'tok/s':>8}{'accept':>8}{'vs none':>9}{'vs NGRAM':>10}")
+    print(f"{'setup':<12}{'set':<6}{'tok/s':>8}{'accept':>8}{'vs none':>9}{'vs NGRAM':>10}")
     for name in setups:
         for set_name in SETS:
             rs = results[(name, set_name)]
             rate = statistics.median(r["rate"] for r in rs)
             accept = statistics.median(r["accept"] for r in rs)
             print(
-                f"{name:<8}{set_name:<6}{rate:>8.1f}{accept:>8.2f}"
+                f"{name:<12}{set_name:<6}{rate:>8.1f}{accept:>8.2f}"
                 f"{ratio(name, 'none', set_name):>9}{ratio(name, 'NGRAM', set_name):>10}"
             )
 

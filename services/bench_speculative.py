@@ -44,7 +44,9 @@ class BenchSpeculativeConfig:
     """Each field is also a `specmesh bench speculative` option."""
 
     model: str | None = model_option()
-    algorithms: str = option("NGRAM,EAGLE3,NEXTN,DFLASH", "comma-separated algorithms to sweep")
+    algorithms: str = option(
+        "NGRAM,STANDALONE,EAGLE3,NEXTN,DFLASH", "comma-separated algorithms to sweep"
+    )
     speculative_draft_model_path: str | None = option(
         None, "draft for the one algorithm swept (default: the drafter shipped for the model)"
     )

@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     train = _config_command(
         commands,
         "train-draft",
-        "train a drafter (EAGLE/EAGLE-3 head, NEXTN layer, DFLASH block draft) for a target",
+        "train a drafter (EAGLE/EAGLE-3 head, NEXTN layer, DFLASH block draft, STANDALONE "
+        "draft LM) for a target",
         TrainDraftConfig,
         lambda cfg: print(train_draft(cfg)),
     )

@@ -209,7 +209,7 @@ def test_speculative_sampling_matches_the_target_distribution(
         assert stat > bound, (stat, dof)
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE3", "NEXTN", "DFLASH"])
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "NEXTN", "DFLASH", "STANDALONE"])
 def test_sampling_with_a_trained_drafter_keeps_the_distribution(
     algorithm: str, smollm_dir: Path, prompt_ids: list[list[int]]
 ) -> None:
@@ -344,6 +344,10 @@ def test_shipped_drafters_are_the_default_with_their_token_maps() -> None:
     mapped = SpeculativeConfig("NEXTN", speculative_token_map="mine.json").resolved()
     assert mapped.speculative_token_map == "mine.json"
     assert SpeculativeConfig("EAGLE3").resolved().speculative_token_map is None  # own vocab
+    student = SpeculativeConfig("STANDALONE").resolved()
+    draft = HEADS_DIR / f"{DEFAULT_MODEL_NAME}-STANDALONE"
+    assert student.speculative_draft_model_path == str(draft)
+    assert student.speculative_token_map == str(draft / "hot_tokens.json")
 
 
 def hot_tokens(tmp_path: Path, answers: list[list[int]]) -> tuple[list[int], Path]:

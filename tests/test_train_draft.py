@@ -181,6 +181,28 @@ def test_a_tiny_dflash_draft_learns_and_is_saved_in_z_labs_layout(
     assert_drafts_losslessly(target, "DFLASH", draft)
 
 
+def test_a_tiny_standalone_draft_learns_and_is_saved_as_a_llama(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    target, eagle3_head = trained
+    cfg = dataclasses.replace(
+        tiny_config(target, tmp_path / "out"),
+        algorithm="STANDALONE",
+        draft_layers=4,
+        lr=1e-2,
+    )
+    shutil.copytree(eagle3_head.parent / "data", tmp_path / "out" / "data")  # same answers
+    draft = train_draft(cfg)
+    history = json.loads((draft / "training.json").read_text())["history"]
+    assert history[-1]["heldout_acceptance"] > history[0]["heldout_acceptance"] + 0.2, history
+    config = json.loads((draft / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["hidden_size"], config["num_hidden_layers"]) == (64, 4)
+    assert config["tie_word_embeddings"] and config["vocab_size"] == 49152
+    assert "model.embed_tokens.weight" in load_file(draft / "model.safetensors")
+    assert_drafts_losslessly(target, "STANDALONE", draft)
+
+
 def test_the_training_run_resumes_from_its_state(
     trained: tuple[Path, Path], tmp_path: Path
 ) -> None:

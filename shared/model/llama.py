@@ -87,6 +87,19 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.backend = backend
 
+    def rotated_qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, KVH, D], q and k rotated to their positions."""
+        qkv = self.qkv_proj(x)
+        # q and k heads side by side [T, H + KVH, D]: one rotation for both
+        qk = qkv[:, : self.q_size + self.kv_size].view(
+            -1, self.num_heads + self.num_kv_heads, self.head_dim
+        )
+        q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
     def forward(
         self,
         x: torch.Tensor,
@@ -95,14 +108,7 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        # q and k heads side by side [T, H + KVH, D]: one rotation for both
-        qk = qkv[:, : self.q_size + self.kv_size].view(
-            -1, self.num_heads + self.num_kv_heads, self.head_dim
-        )
-        q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.backend.forward(q, k, v, *kv_cache, meta))
+        return self.o_proj(self.backend.forward(*self.rotated_qkv(x, cos, sin), *kv_cache, meta))
 
 
 class MLP(nn.Module):

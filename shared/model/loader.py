@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from shared.model.attention import get_attention_backend
 from shared.model.config import ModelConfig
@@ -130,3 +132,27 @@ def load_model(
         more = " ..." if len(missing) > 5 else ""
         raise ValueError(f"checkpoint lacks weights for {missing[:5]}{more}")
     return model.eval()
+
+
+def save_model(model: LlamaForCausalLM, path: Path, hf_config: dict[str, Any]) -> None:
+    """Write `model` as a Hugging Face Llama checkpoint in bf16 (`model.*` tensors, q/k/v and
+    gate/up split again): `hf_config` with the model's own shape and layer count over it."""
+    path.mkdir(parents=True, exist_ok=True)
+    cfg, fused = model.config, fused_slices(model.config)
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        for part, value in split_fused(name, tensor, fused):
+            key = part if part.startswith("lm_head") else f"model.{part}"
+            tensors[key] = value.to(torch.bfloat16).contiguous()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = {
+        **hf_config,
+        **cfg.hf_shape(),
+        "architectures": [cfg.architecture],
+        "num_hidden_layers": cfg.num_layers,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "torch_dtype": "bfloat16",
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -25,7 +25,7 @@ from shared.engine.engine import EngineConfig, LLMEngine
 from shared.model.config import ModelConfig
 from shared.model.fetch import resolve_model
 from shared.model.llama import LlamaForCausalLM
-from shared.model.loader import load_model
+from shared.model.loader import load_model, save_model
 from shared.speculative.config import HOT_TOKENS
 from shared.speculative.dflash import default_target_layers, save_dflash
 from shared.speculative.drafter import target_feature_layers
@@ -51,9 +51,10 @@ from shared.training.eagle_trainer import (
 )
 from shared.training.features import TargetView, capture_layers, extract, from_capture
 from shared.training.prompts import training_prompts
+from shared.training.student_trainer import distill_loss, new_student
 
 log = logging.getLogger(__name__)
-TRAINABLE = ("EAGLE3", "EAGLE", "NEXTN", "DFLASH")
+TRAINABLE = ("EAGLE3", "EAGLE", "NEXTN", "DFLASH", "STANDALONE")
 
 
 @dataclass
@@ -88,14 +89,25 @@ class TrainDraftConfig:
         "EAGLE-3's draft vocabulary, the most frequent targets (EAGLE, NEXTN: that many ids "
         "in the token map written beside the head)",
     )
-    ttt_steps: int = option(5, "draft steps unrolled in training (training-time test)")
+    ttt_steps: int = option(
+        5,
+        "draft steps unrolled in training (training-time test; STANDALONE: the longest "
+        "chain the held-out acceptance counts)",
+    )
     root_fraction: float = option(
         0.25,
         "fraction of each sample's positions unrolled as drafting roots (DFLASH: block "
-        "anchors) per step",
+        "anchors) per step; STANDALONE learns at every position",
     )
     block_size: int = option(8, "DFLASH: tokens per block, the root included")
-    draft_layers: int = option(3, "DFLASH: decoder layers of the draft")
+    draft_layers: int = option(
+        3, "DFLASH, STANDALONE: decoder layers of the draft (STANDALONE: spaced target layers)"
+    )
+    draft_hidden_size: int | None = option(
+        None,
+        "STANDALONE: the draft's residual width (default: the target's; narrower keeps the "
+        "coordinates where the target's embedding is largest)",
+    )
     epochs: float = option(2.0, "passes over the training data")
     lr: float = option(5e-4, "peak learning rate (AdamW, warm-up then cosine)")
     batch_tokens: int = option(4096, "tokens per optimizer step")
@@ -121,6 +133,8 @@ class TrainDraftConfig:
             read_prompt_list(Path(self.exclude))  # a bad file fails before anything loads
         if self.block_size < 2 or self.draft_layers < 1:
             raise ValueError("--block-size must be >= 2 and --draft-layers >= 1")
+        if self.draft_hidden_size is not None and self.draft_hidden_size < 1:
+            raise ValueError(f"--draft-hidden-size must be >= 1, got {self.draft_hidden_size}")
         if self.ttt_steps < 1 or self.epochs <= 0 or not 0 < self.heldout < 1:
             raise ValueError("--ttt-steps must be >= 1, --epochs > 0, --heldout in (0, 1)")
         if not 0 < self.root_fraction <= 1:
@@ -310,6 +324,23 @@ def dflash_trainee(
     return Trainee(draft, loss, lambda path: save_dflash(draft.cpu().eval(), path, target.config))
 
 
+def student_trainee(
+    cfg: TrainDraftConfig, target: LlamaForCausalLM, frequent: torch.Tensor, target_dir: Path
+) -> Trainee:
+    """A STANDALONE draft LM, distilled at every position over the frequent ids."""
+    width = cfg.draft_hidden_size or target.config.hidden_size
+    student = new_student(target, width, cfg.draft_layers)
+    vocab_ids = frequent.to(target.lm_head.weight.device)
+
+    def loss(batch: Batch, fraction: float, generator: torch.Generator | None) -> StepResult:
+        return distill_loss(student, target, batch, vocab_ids, cfg.ttt_steps)
+
+    def save(path: Path) -> None:
+        save_model(student.cpu().eval(), path, json.loads((target_dir / "config.json").read_text()))
+
+    return Trainee(student, loss, save)
+
+
 @torch.no_grad()
 def evaluate(
     trainee: Trainee,
@@ -369,6 +400,8 @@ def train_draft(cfg: TrainDraftConfig) -> Path:
     )
     if cfg.algorithm == "DFLASH":
         trainee = dflash_trainee(cfg, target, frequent, tokenizer)
+    elif cfg.algorithm == "STANDALONE":
+        trainee = student_trainee(cfg, target, frequent, target_dir)
     else:
         trainee = eagle_trainee(cfg, target, frequent, (layers, normed), target_dir)
     module = trainee.module.to(device).train()
