@@ -119,10 +119,10 @@ def standalone(
 @pytest.fixture(scope="module", params=["EAGLE3", "NEXTN", "DFLASH", "STANDALONE"])
 def learned(smollm_dir: Path, request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
     """A learned drafter that ships for the default model (the EAGLE-3 head, the NEXTN
-    layer, the DFLASH block draft, the STANDALONE draft LM): the prompt's target features
-    (for those that read them) travel from prefill with
-    its K/V, then with each draft step. Fixed draft budgets, so that drafts do not depend
-    on timings (adaptive budgets follow measured costs). (HTTP url, algorithm)"""
+    layer, the DFLASH block draft, the STANDALONE draft LM): the prompt's target features,
+    for those that read them, travel from prefill with its K/V, then with each draft step.
+    Fixed draft budgets, so that drafts do not depend on timings (adaptive budgets follow
+    measured costs). (HTTP url, algorithm)"""
     args = ["--speculative-algorithm", request.param, "--no-speculative-adaptive"]
     with start_nats() as bus, specmesh_up(smollm_dir, "--nats-url", bus.url, *args) as url:
         yield url, request.param

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from shared.model.llama import LlamaForCausalLM
 from shared.speculative.dflash import DFlashDraft, DFlashSpec, default_target_layers
 from shared.tokenizer import Tokenizer
-from shared.training.eagle_trainer import Batch, StepResult, pick_roots
+from shared.training.eagle_trainer import Batch, StepResult, pick_roots, soft_cross_entropy
 
 DECAY_GAMMA = 7.0
 
@@ -118,10 +118,8 @@ def block_loss(
     rows = learned.nonzero(as_tuple=True)
     head = target.lm_head.weight[vocab_ids]
     logits = hidden[rows] @ head.T
-    with torch.no_grad():
-        labels = torch.softmax(_at(batch.final, before)[rows].float() @ head.T.float(), dim=-1)
     weight = torch.exp(-rows[2].float() / DECAY_GAMMA)  # block index k - 1
-    per_row = -(labels * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+    per_row = soft_cross_entropy(logits, _at(batch.final, before)[rows], head)
     loss = (per_row * weight).sum() / weight.sum().clamp(min=1e-6)
     correct = torch.zeros_like(learned)
     correct[rows] = vocab_ids[logits.argmax(-1)] == choice[rows]

@@ -203,14 +203,23 @@ def unrolled_loss(
             continue
         rows = learned.nonzero()[:, 0]
         logits = head.logits(hidden[rows], target).float()
-        with torch.no_grad():
-            labels = torch.softmax(at(batch.final, 1 + k)[rows] @ label_head.T.float(), dim=-1)
-        step_loss = -(labels * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+        step_loss = soft_cross_entropy(logits, at(batch.final, 1 + k)[rows], label_head).mean()
         loss = loss + STEP_DECAY**k * step_loss
         guess = logits.argmax(-1)
         guess = guess if draft_ids is None else draft_ids[guess]
         correct[rows, k] = guess == choice[rows]
     return StepResult(loss, correct, at(batch.learned, 1))
+
+
+def soft_cross_entropy(
+    logits: torch.Tensor, final: torch.Tensor, head: torch.Tensor
+) -> torch.Tensor:
+    """[N] cross-entropy of a drafter's `logits` [N, V] against the target's distribution
+    softmax(final @ head.T), `final` [N, H] its final normed hidden states and `head`
+    [V, H] the rows of its LM head for the same V ids."""
+    with torch.no_grad():
+        labels = torch.softmax(final.float() @ head.T.float(), dim=-1)
+    return -(labels * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
 
 
 def acceptance_length(correct: torch.Tensor, valid: torch.Tensor) -> float:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.model.llama import LlamaForCausalLM
-from shared.training.eagle_trainer import Batch, StepResult
+from shared.training.eagle_trainer import Batch, StepResult, soft_cross_entropy
 
 
 def spaced_layers(total: int, keep: int) -> list[int]:
@@ -108,10 +108,7 @@ def distill_loss(
     learned = batch.learned & in_vocab[batch.argmax]  # [B, L]
     rows = learned.nonzero(as_tuple=True)
     logits = hidden[rows] @ student.lm_head.weight[vocab_ids].T
-    with torch.no_grad():
-        head = target.lm_head.weight[vocab_ids].float()
-        labels = torch.softmax(batch.final[rows].float() @ head.T, dim=-1)
-    per_row = -(labels * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+    per_row = soft_cross_entropy(logits, batch.final[rows], target.lm_head.weight[vocab_ids])
     hit = torch.zeros_like(learned)
     hit[rows] = vocab_ids[logits.argmax(-1)] == batch.argmax[rows]
     correct = F.pad(hit, (0, steps - 1)).unfold(1, steps, 1)  # [B, L, steps]: hit[p + k]
