@@ -7,22 +7,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu import load as load_cpu_kernels
 from shared.model.llama import Linear, pack_linears
 from shared.model.rope import apply_rope, rope_cos_sin
 
 pytestmark = pytest.mark.unit
 
-needs_onednn = pytest.mark.skipif(
-    not torch.backends.mkldnn.is_available(), reason="oneDNN is not in this torch build"
+needs_kernel = pytest.mark.skipif(
+    load_cpu_kernels() is None, reason="the CPU kernels do not build here"
 )
 
 
-@needs_onednn
+@needs_kernel
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 33, 300])
-def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 33, 300])
+@pytest.mark.parametrize("out_features", [160, 150])  # 150: a zero-padded tail block
+def test_packed_linear_matches_f_linear(rows: int, bias: bool, out_features: int) -> None:
     torch.manual_seed(rows)
-    layer = Linear(96, 160, bias=bias)
+    layer = Linear(96, out_features, bias=bias)
     weight = layer.weight.detach().clone()
     expected_bias = layer.bias.detach().clone() if bias else None
     x = torch.randn(rows, 96)
@@ -30,11 +32,25 @@ def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
     assert layer.packed is not None and layer.weight is None
     with torch.inference_mode():
         got = layer(x)
-    assert got.shape == (rows, 160)
+    assert got.shape == (rows, out_features)
     torch.testing.assert_close(got, F.linear(x, weight, expected_bias), rtol=1e-5, atol=1e-5)
 
 
-@needs_onednn
+@needs_kernel
+def test_blocked_linear_adds_the_residual() -> None:
+    torch.manual_seed(0)
+    weight, bias, x, residual = (
+        torch.randn(40, 24),
+        torch.randn(40),
+        torch.randn(9, 24),
+        torch.randn(9, 40),
+    )
+    kernel = load_cpu_kernels()
+    got = kernel.blocked_linear(x, kernel.block_weight(weight), 40, bias, residual)
+    torch.testing.assert_close(got, x @ weight.T + bias + residual, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
 def test_pack_linears_keeps_lm_heads_and_skips_other_dtypes() -> None:
     model = nn.Module()
     model.proj = Linear(8, 8)

@@ -1,4 +1,5 @@
-"""C++ CPU kernels (`decoder.cpp`), compiled on first use by torch's extension builder and
+"""C++ CPU kernels (`matmul.cpp`: matmuls over column-blocked weights; `decoder.cpp`: the
+fused decoder step), compiled on first use by torch's extension builder and
 cached under ~/.cache/torch_extensions. Without a compiler or AVX2 they are simply absent
 and the model runs its plain torch path."""
 
@@ -24,7 +25,7 @@ def load() -> ModuleType | None:
     try:
         return build(
             name="specmesh_cpu",
-            sources=[str(Path(__file__).with_name("decoder.cpp"))],
+            sources=[str(Path(__file__).with_name(f)) for f in ("decoder.cpp", "matmul.cpp")],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
         )

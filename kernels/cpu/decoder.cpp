@@ -1,15 +1,17 @@
 // A Llama-family decoder's forward for a few rows (decode and verification) on CPU.
 //
-// A step over few rows is bound by reading the weights. The matmuls are oneDNN's kernels
-// for packed weights; everything between them (norms, RoPE, KV writes, paged attention
-// reading the cache in place, SiLU, residuals) runs here in C++, so a step has no Python
-// and no per-op dispatch between the layers' matmuls.
+// A step over few rows is bound by reading the weights. The matmuls stream the weights'
+// column blocks (matmul.cpp); everything between them (norms, RoPE, KV writes, paged
+// attention reading the cache in place, SiLU, residuals) runs here in C++, so a step has
+// no Python and no per-op dispatch between the layers' matmuls.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
 #include <cmath>
 #include <vector>
+
+#include "matmul.h"
 
 namespace {
 
@@ -29,26 +31,6 @@ inline float dot(const float* a, const float* b, int64_t k) {
   float total = hsum(acc);
   for (; i < k; ++i) total += a[i] * b[i];
   return total;
-}
-
-// x @ w.T + b (+ residual) through oneDNN's kernel for a weight it packed
-// (torch.ops.mkldnn._linear_pointwise), which streams the weight near the read bandwidth.
-Tensor packed_linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor* residual) {
-  static const auto plain = c10::Dispatcher::singleton().findSchemaOrThrow(
-      "mkldnn::_linear_pointwise", "");
-  static const auto add = c10::Dispatcher::singleton().findSchemaOrThrow(
-      "mkldnn::_linear_pointwise", "binary");
-  std::optional<Tensor> bias = b.numel() ? std::optional<Tensor>(b) : std::nullopt;
-  torch::jit::Stack stack;
-  if (residual) {
-    stack = {x, *residual, w, bias, std::string("add")};
-    add.callBoxed(&stack);
-  } else {
-    stack = {x, w, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
-             std::optional<std::string>("")};
-    plain.callBoxed(&stack);
-  }
-  return stack[0].toTensor();
 }
 
 void rms_norm(const float* x, const float* weight, float eps, int64_t rows, int64_t dim,
@@ -74,13 +56,12 @@ void rope(float* heads, int64_t count, int64_t dim, const float* cos, const floa
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
-// Weights of one decoder layer (biases may be empty tensors) and its K/V caches.
+// Weights of one decoder layer (matmul weights from block_weight; biases may be empty
+// tensors) and its K/V caches.
 struct Layer {
   Tensor input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias;
   Tensor k_cache, v_cache;  // [slots, kv_heads, head_dim]
 };
-
-const float* data_or_null(const Tensor& t) { return t.numel() ? t.data_ptr<float>() : nullptr; }
 
 // One forward pass's sequences: each has `num_new` rows starting at `first_row`, sees
 // `num_cached` cached tokens in full, and among its new tokens either causally
@@ -94,12 +75,11 @@ struct Spans {
 
 class Decoder {
  public:
-  // layers: per layer its 10 weights (matmul weights packed by oneDNN) and 2 caches.
-  // min_rows: oneDNN's kernels for fewer rows are slower, so buffers have at least this many.
+  // layers: per layer its 10 weights and 2 caches.
   Decoder(std::vector<std::vector<Tensor>> layers, Tensor final_norm, double eps,
-          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t min_rows)
+          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim)
       : norm_(final_norm), eps_(eps), heads_(num_heads), kv_heads_(num_kv_heads),
-        dim_(head_dim), hidden_(final_norm.numel()), min_rows_(min_rows) {
+        dim_(head_dim), hidden_(final_norm.numel()) {
     for (auto& l : layers) {
       TORCH_CHECK(l.size() == 12, "a layer is 10 weights and 2 caches");
       layers_.push_back({l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7], l[8], l[9], l[10], l[11]});
@@ -111,16 +91,14 @@ class Decoder {
   // followed by the residual stream after each layer in `aux_layers`, in that order.
   std::vector<Tensor> forward(Tensor x, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor spans,
                               Tensor slots, Tensor masks, std::vector<int64_t> aux_layers) {
-    const int64_t rows = x.size(0), padded = std::max(rows, min_rows_);
+    const int64_t rows = x.size(0);
     const int64_t q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
     const int64_t qkv_size = q_size + 2 * kv_size;
     auto opts = x.options();
-    // Padding rows stay zero in, and compute harmless values that are never read.
-    Tensor h = torch::zeros({padded, hidden_}, opts);
-    h.narrow(0, 0, rows).copy_(x);
-    Tensor normed = torch::zeros({padded, hidden_}, opts), attn = torch::zeros({padded, q_size}, opts);
+    Tensor h = x.contiguous();
+    Tensor normed = torch::empty({rows, hidden_}, opts), attn = torch::empty({rows, q_size}, opts);
     const int64_t inter = layers_.at(0).down.size(1);
-    Tensor act = torch::zeros({padded, inter}, opts);
+    Tensor act = torch::empty({rows, inter}, opts);
     float* ap = act.data_ptr<float>();
     std::vector<float> rope_tmp(dim_);
     const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
@@ -132,7 +110,7 @@ class Decoder {
       const Layer& l = layers_[i];
       rms_norm(h.data_ptr<float>(), l.input_norm.data_ptr<float>(), eps_, rows, hidden_,
                normed.data_ptr<float>());
-      Tensor qkv = packed_linear(normed, l.qkv, l.qkv_bias, nullptr);
+      Tensor qkv = blocked_linear(normed, l.qkv, qkv_size, l.qkv_bias, std::nullopt);
       float* qp = qkv.data_ptr<float>();
       float* kc = l.k_cache.data_ptr<float>();
       float* vc = l.v_cache.data_ptr<float>();
@@ -143,21 +121,21 @@ class Decoder {
         std::copy(row + q_size + kv_size, row + qkv_size, vc + slot_of_row[r] * kv_size);
       }
       attention(qp, qkv_size, kc, vc, s, attn.data_ptr<float>());
-      h = packed_linear(attn, l.o, l.o_bias, &h);
+      h = blocked_linear(attn, l.o, hidden_, l.o_bias, h);
       rms_norm(h.data_ptr<float>(), l.post_norm.data_ptr<float>(), eps_, rows, hidden_,
                normed.data_ptr<float>());
-      Tensor gate_up = packed_linear(normed, l.gate_up, l.gate_up_bias, nullptr);
+      Tensor gate_up = blocked_linear(normed, l.gate_up, 2 * inter, l.gate_up_bias, std::nullopt);
       const float* gp = gate_up.data_ptr<float>();
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < inter; ++j)
           ap[r * inter + j] = silu(gp[r * 2 * inter + j]) * gp[r * 2 * inter + inter + j];
-      h = packed_linear(act, l.down, l.down_bias, &h);
+      h = blocked_linear(act, l.down, hidden_, l.down_bias, h);
       for (size_t a = 0; a < aux_layers.size(); ++a)
-        if (aux_layers[a] == static_cast<int64_t>(i)) out[1 + a] = h.narrow(0, 0, rows);
+        if (aux_layers[a] == static_cast<int64_t>(i)) out[1 + a] = h;
     }
     rms_norm(h.data_ptr<float>(), norm_.data_ptr<float>(), eps_, rows, hidden_,
              normed.data_ptr<float>());
-    out[0] = normed.narrow(0, 0, rows);
+    out[0] = normed;
     return out;
   }
 
@@ -204,7 +182,7 @@ class Decoder {
   std::vector<Layer> layers_;
   Tensor norm_;
   float eps_;
-  int64_t heads_, kv_heads_, dim_, hidden_, min_rows_;
+  int64_t heads_, kv_heads_, dim_, hidden_;
 };
 
 }  // namespace
@@ -212,6 +190,8 @@ class Decoder {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<std::vector<std::vector<Tensor>>, Tensor, double, int64_t, int64_t,
-                          int64_t, int64_t>())
+                          int64_t>())
       .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("block_weight", &block_weight);
+  m.def("blocked_linear", &blocked_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

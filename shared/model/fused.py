@@ -1,6 +1,6 @@
 """The decoder's forward over a few rows (decode, verification) in one call into the C++
-CPU kernel (`kernels/cpu/decoder.cpp`): the same oneDNN matmuls over packed weights, with
-no Python between them and attention reading the paged cache in place. Same maths as
+CPU kernel (`kernels/cpu/decoder.cpp`): the same blocked matmuls as the packed `Linear`s,
+with no Python between them and attention reading the paged cache in place. Same maths as
 `LlamaForCausalLM.forward`; prefill-sized batches keep the torch path, whose attention
 is faster for long spans."""
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from shared.model.attention import SequenceSpan, context_slots
-from shared.model.llama import PACKED_MIN_ROWS, Linear, LlamaForCausalLM
+from shared.model.llama import Linear, LlamaForCausalLM
 
 # Up to this many rows per step go through the kernel; its attention is a plain loop,
 # fine for decode and draft trees, slower than SDPA over a long prompt.
@@ -47,7 +47,6 @@ class FusedDecoder:
             cfg.num_heads,
             cfg.num_kv_heads,
             cfg.head_dim,
-            PACKED_MIN_ROWS,
         )
 
     @classmethod

@@ -12,21 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu import load as load_cpu_kernels
 from shared.model.attention import AttentionBackend, AttentionMetadata
 from shared.model.config import ModelConfig
 from shared.model.rope import apply_rope, rope_cos_sin
 
-# oneDNN lays a packed weight out for batches of about this many rows. Packed, its
-# kernels stream the weight at the memory's read bandwidth up to ~8 rows, where MKL
-# slows past 2, and beat MKL at prefill sizes too (docs/benchmarks.md).
-PACKED_BATCH_HINT = 8
-# Fewer rows than this are padded up to it: oneDNN's one- and two-row kernels stream
-# the weight ~15% slower than its four-row one.
-PACKED_MIN_ROWS = 4
-
 
 class Linear(nn.Linear):
-    """nn.Linear that, once packed for inference, multiplies with a oneDNN-packed weight on CPU."""
+    """nn.Linear that, once packed for inference, multiplies through the CPU kernel's
+    column-blocked weight (kernels/cpu/matmul.cpp)."""
 
     packed: torch.Tensor | None = None
 
@@ -35,20 +29,20 @@ class Linear(nn.Linear):
         weight = self.weight
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             return
-        if not torch.backends.mkldnn.is_available():
+        kernel = load_cpu_kernels()
+        if kernel is None:
             return
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_BATCH_HINT)
+        self.packed = kernel.block_weight(weight.detach())
         if not keep_weight:
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        rows = x.shape[0]
-        if rows < PACKED_MIN_ROWS:
-            x = torch.cat([x, x.new_zeros(PACKED_MIN_ROWS - rows, x.shape[1])])
-        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return y[:rows]
+        bias = torch.empty(0) if self.bias is None else self.bias
+        rows = x.reshape(-1, self.in_features).contiguous()
+        y = load_cpu_kernels().blocked_linear(rows, self.packed, self.out_features, bias, None)
+        return y.view(*x.shape[:-1], self.out_features)
 
 
 def pack_linears(model: nn.Module) -> None:

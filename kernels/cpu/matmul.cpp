@@ -1,0 +1,143 @@
+// Few rows (decode, verification) are bound by reading the weights once; many rows
+// (prefill) by the FMA units. One layout serves both: each 16-column block of the weight
+// is read from memory once per call, and up to 6 input rows at a time are multiplied
+// against it while it sits in cache (a 6x16 tile: 12 accumulator registers, 2 weight
+// loads and 6 broadcasts per k).
+#include "matmul.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+namespace {
+
+constexpr int64_t COLS = 16;
+constexpr int TILE_ROWS = 6;
+// Rows one job multiplies against a block: decode and verification are one job per
+// block (the weight read once); prefill splits its rows so every core has work.
+constexpr int64_t JOB_ROWS = 8 * TILE_ROWS;
+// Weight lines are requested this many k (4 KB) ahead: with several rows per tile the
+// FMAs between loads keep the out-of-order window from reaching that far by itself.
+constexpr int64_t PREFETCH_K = 64;
+
+// Where a tile's outputs go: `cols` valid columns of rows `ld` apart, plus optional
+// bias (per column) and residual (same layout as y) added on the way out.
+struct Target {
+  float* y;
+  const float* bias;
+  const float* residual;
+  int64_t ld, cols;
+};
+
+inline void store_row(__m256 lo, __m256 hi, const Target& t, int64_t r) {
+  float* y = t.y + r * t.ld;
+  const float* res = t.residual ? t.residual + r * t.ld : nullptr;
+  if (t.cols == COLS) {
+    if (t.bias) {
+      lo = _mm256_add_ps(lo, _mm256_loadu_ps(t.bias));
+      hi = _mm256_add_ps(hi, _mm256_loadu_ps(t.bias + 8));
+    }
+    if (res) {
+      lo = _mm256_add_ps(lo, _mm256_loadu_ps(res));
+      hi = _mm256_add_ps(hi, _mm256_loadu_ps(res + 8));
+    }
+    _mm256_storeu_ps(y, lo);
+    _mm256_storeu_ps(y + 8, hi);
+    return;
+  }
+  alignas(32) float tmp[COLS];
+  _mm256_store_ps(tmp, lo);
+  _mm256_store_ps(tmp + 8, hi);
+  for (int64_t c = 0; c < t.cols; ++c)
+    y[c] = tmp[c] + (t.bias ? t.bias[c] : 0.f) + (res ? res[c] : 0.f);
+}
+
+// Accumulators are named variables, not an array: GCC keeps an array of them in memory
+// and stores it back every k.
+#define TILE_ROW(r)                                   \
+  if constexpr (R > r) {                              \
+    __m256 xb = _mm256_broadcast_ss(x + r * K + k);   \
+    a##r##0 = _mm256_fmadd_ps(xb, w0, a##r##0);       \
+    a##r##1 = _mm256_fmadd_ps(xb, w1, a##r##1);       \
+  }
+#define TILE_STORE(r) \
+  if constexpr (R > r) store_row(a##r##0, a##r##1, t, r);
+
+// R rows of x [R, K] times one block w [K, 16].
+template <int R>
+void tile(const float* x, const float* w, int64_t K, const Target& t) {
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
+         a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+  for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + (k + PREFETCH_K) * COLS), _MM_HINT_T0);
+    const __m256 w0 = _mm256_load_ps(w + k * COLS), w1 = _mm256_load_ps(w + k * COLS + 8);
+    TILE_ROW(0) TILE_ROW(1) TILE_ROW(2) TILE_ROW(3) TILE_ROW(4) TILE_ROW(5)
+  }
+  TILE_STORE(0) TILE_STORE(1) TILE_STORE(2) TILE_STORE(3) TILE_STORE(4) TILE_STORE(5)
+}
+
+void tile_rows(int64_t rows, const float* x, const float* w, int64_t K, const Target& t) {
+  switch (rows) {
+    case 1: return tile<1>(x, w, K, t);
+    case 2: return tile<2>(x, w, K, t);
+    case 3: return tile<3>(x, w, K, t);
+    case 4: return tile<4>(x, w, K, t);
+    case 5: return tile<5>(x, w, K, t);
+    default: return tile<6>(x, w, K, t);
+  }
+}
+
+const float* data_or_null(const torch::Tensor& t) {
+  return t.numel() ? t.data_ptr<float>() : nullptr;
+}
+
+}  // namespace
+
+torch::Tensor block_weight(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat, "a 2-D fp32 weight");
+  const int64_t n = weight.size(0), k = weight.size(1), blocks = (n + COLS - 1) / COLS;
+  const size_t page = size_t{1} << 21;
+  const size_t bytes = (blocks * k * COLS * sizeof(float) + page - 1) / page * page;
+  void* data = std::aligned_alloc(page, bytes);
+  TORCH_CHECK(data, "out of memory for a ", n, "x", k, " weight");
+  madvise(data, bytes, MADV_HUGEPAGE);
+  auto blocked = torch::from_blob(data, {blocks, k, COLS}, [](void* p) { std::free(p); },
+                                  weight.options());
+  auto padded = torch::zeros({blocks * COLS, k}, weight.options());
+  padded.narrow(0, 0, n).copy_(weight);
+  blocked.copy_(padded.view({blocks, COLS, k}).transpose(1, 2));
+  return blocked;
+}
+
+torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& blocked, int64_t n,
+                             const torch::Tensor& bias, const std::optional<torch::Tensor>& residual) {
+  const int64_t m = x.size(0), k = x.size(1), blocks = blocked.size(0);
+  TORCH_CHECK(x.is_contiguous() && blocked.size(1) == k, "x [M, K] contiguous, K as the weight's");
+  TORCH_CHECK(!residual || (residual->is_contiguous() && residual->size(0) == m), "residual [M, N]");
+  auto y = torch::empty({m, n}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = blocked.data_ptr<float>(), *bp = data_or_null(bias);
+  const float* rp = residual ? residual->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t chunks = (m + JOB_ROWS - 1) / JOB_ROWS;
+  // Jobs run block-major, so one thread's consecutive row chunks reuse a cached block.
+  at::parallel_for(0, blocks * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t b = job / chunks, col = b * COLS, first = (job % chunks) * JOB_ROWS;
+      // Even tiles (8 rows: 4 + 4, not 6 + 2): a tile of few rows has too few
+      // accumulators to keep both FMA units busy.
+      const int64_t rows = std::min(m, first + JOB_ROWS) - first;
+      const int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+      for (int64_t i = 0, r = first; i < tiles; ++i) {
+        const int64_t tile = rows / tiles + (i < rows % tiles);
+        Target t{yp + r * n + col, bp ? bp + col : nullptr, rp ? rp + r * n + col : nullptr, n,
+                 std::min(COLS, n - col)};
+        tile_rows(tile, xp + r * k, wp + b * k * COLS, k, t);
+        r += tile;
+      }
+    }
+  });
+  return y;
+}

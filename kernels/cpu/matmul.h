@@ -1,0 +1,15 @@
+// Matmuls over weights laid out in column blocks, for CPU steps of any row count.
+#pragma once
+#include <torch/extension.h>
+
+#include <optional>
+
+// A weight [N, K] as [ceil(N / 16), K, 16]: each block holds 16 output columns, one
+// 64-byte line per k, so a block streams sequentially and its 16 columns are two AVX
+// registers. The tail block is zero-padded. Stored in 2 MB-aligned memory on huge pages.
+torch::Tensor block_weight(const torch::Tensor& weight);
+
+// x [M, K] @ weight.T (+ bias [N]) (+ residual [M, N]) -> [M, N], with `blocked` from
+// block_weight and N its weight's row count.
+torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& blocked, int64_t n,
+                             const torch::Tensor& bias, const std::optional<torch::Tensor>& residual);
