@@ -16,7 +16,7 @@ import msgspec
 from shared.core.spec_stats import SpecStats
 from shared.sampling.params import INT32_MAX, SamplingParams
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # Subjects. `{id}` is an instance id; the queue groups share work among instances.
 TOKENIZE = "specmesh.tokenizer.tokenize"  # queue group "tokenizer"
@@ -187,6 +187,10 @@ class PrefillReply(Message, kw_only=True):
     top_logprobs: list[tuple[TokenId, float]] | None
     kv_keys: list[str]  # transport keys of the prompt's blocks, the last one maybe partial
     num_computed_tokens: Count  # prompt tokens prefill computed (the rest were reused)
+    # What the K/V is for (model, dtype, block size): decode refuses any other's. The hash
+    # is model_fingerprint's, the words kv_description's (for the error that refuses it).
+    kv_fingerprint: str
+    kv_description: str
 
 
 class AdmitRequest(Message, kw_only=True):

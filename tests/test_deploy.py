@@ -1,12 +1,14 @@
 """The deployment files and what they rely on.
 
-docker-compose.yml, deploy/compose.gpu.yml, the Nomad jobs, Prometheus, Grafana and collector
-configs are parsed (no Docker or Nomad here) and checked against the code: every service
-has a health check, restart policy, environment, scaling and resource settings; each
-command runs a module that exists; every SPECMESH_* variable is an option some service
-reads. Then NATS runs with deploy/nats.conf and valkey with a password, `specmesh up`
+docker-compose.yml, deploy/compose.gpu*.yml, the Nomad jobs, Prometheus, Grafana and
+collector configs are parsed (no Docker or Nomad here) and checked against the code: every
+service has a health check, restart policy, environment, scaling and resource settings;
+each command runs a module that exists; every SPECMESH_* variable is an option some
+service reads; every pool that holds the model runs one dtype, and NGRAM drafters reserve
+no GPU. Then NATS runs with deploy/nats.conf and valkey with a password, `specmesh up`
 runs against both, and every metric the Grafana dashboard queries is found on the
-services' /metrics after one speculative request.
+services' /metrics after one speculative request. Last, a decode worker refuses K/V
+that a prefill of another dtype computed.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -31,7 +34,15 @@ import httpx
 import pytest
 import redis
 import yaml
-from deployment import SERVICE_PASSWORDS, assert_least_privilege, chat, scrape, specmesh_up
+from deployment import (
+    SERVICE_PASSWORDS,
+    assert_least_privilege,
+    chat,
+    heartbeats,
+    scrape,
+    specmesh_up,
+)
+from helpers import tiny_llama
 
 from services.decode.config import DecodeConfig
 from services.drafter.config import DrafterConfig
@@ -40,7 +51,7 @@ from services.tokenizer.config import TokenizerConfig
 from shared.bus import Bus, NatsAuth
 from shared.config import env_name
 from shared.engine.engine import EngineConfig
-from shared.infra import ServerProcess, free_port, start_valkey
+from shared.infra import ServerProcess, free_port, start_nats, start_valkey
 from shared.logs import LogConfig
 from shared.protocol import nats_users
 from shared.service import ServiceConfig, service_main
@@ -50,7 +61,15 @@ from shared.transport import TransportConfig
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 SERVICES = ("gateway", "tokenizer", "prefill", "decode", "drafter")
-GPU_POOLS = ("decode", "drafter")
+MODEL_POOLS = ("prefill", "decode", "drafter")  # they load the model (a drafter unless NGRAM)
+GPU_POOLS = ("prefill", "decode")  # the drafter's GPU depends on its algorithm
+COMPOSE_GPU = DEPLOY / "compose.gpu.yml"
+COMPOSE_GPU_DRAFTER = DEPLOY / "compose.gpu-drafter.yml"
+TOPOLOGIES = {  # compose files on top of docker-compose.yml
+    "cpu": (),
+    "gpu": (COMPOSE_GPU,),
+    "gpu-model-drafter": (COMPOSE_GPU, COMPOSE_GPU_DRAFTER),
+}
 INFRA = ("nats", "valkey", "otel-collector", "jaeger", "prometheus", "grafana")
 CONFIGS = [
     ServiceConfig,
@@ -98,6 +117,36 @@ def _script_exists(name: str) -> None:
 
 def _compose(path: Path = ROOT / "docker-compose.yml") -> dict[str, Any]:
     return yaml.safe_load(path.read_text())
+
+
+def _compose_stack(*overlays: Path) -> dict[str, Any]:
+    """docker-compose.yml with `overlays` on top (`-f` after `-f`), merged as compose merges
+    them: mappings key by key, anything else replaced."""
+    merged = _compose()
+    for path in overlays:
+        merged = _merge(merged, _compose(path))
+    return merged
+
+
+def _merge(base: Any, override: Any) -> Any:
+    if isinstance(base, dict) and isinstance(override, dict):
+        return {**base, **{key: _merge(base.get(key), v) for key, v in override.items()}}
+    return override
+
+
+def _default(value: str) -> str:
+    """The value compose uses for `${NAME:-default}` when NAME is unset."""
+    match = re.fullmatch(r"\$\{\w+:-(.+)\}", value)
+    assert match, value
+    return match[1]
+
+
+def _reserved_gpus(service: dict[str, Any]) -> list[str]:
+    """The GPUs (device ids) a compose service reserves."""
+    devices = service["deploy"]["resources"].get("reservations", {}).get("devices", [])
+    for device in devices:
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    return [gpu for device in devices for gpu in device["device_ids"]]
 
 
 def _hcl(name: str) -> dict[str, Any]:
@@ -221,18 +270,38 @@ def test_compose_has_no_default_passwords() -> None:
         assert rest.startswith(":?") and name in rest, (name, rest)
 
 
-def test_compose_gpu_override_gives_each_pool_its_own_gpus() -> None:
-    override = _compose(DEPLOY / "compose.gpu.yml")["services"]
-    assert set(override) == set(GPU_POOLS)
-    reservations = []
-    for name in GPU_POOLS:
-        service = override[name]
-        assert service["environment"]["SPECMESH_DEVICE"] == "cuda"
+@pytest.mark.parametrize("overlays", TOPOLOGIES.values(), ids=TOPOLOGIES)
+def test_compose_pools_that_hold_the_model_run_one_dtype(overlays: tuple[Path, ...]) -> None:
+    """Decode reads the K/V prefill computed (and refuses another dtype's): every pool
+    that holds the model names the same dtype, bfloat16 on GPUs, and prefill runs on
+    decode's image and device."""
+    services = _compose_stack(*overlays)["services"]
+    (dtype,) = {services[name]["environment"]["SPECMESH_DTYPE"] for name in MODEL_POOLS}
+    assert _default(dtype) == ("bfloat16" if overlays else "float32")
+    prefill, decode = services["prefill"], services["decode"]
+    assert (prefill["image"], prefill["build"]) == (decode["image"], decode["build"])
+    assert prefill["environment"].get("SPECMESH_DEVICE") == decode["environment"].get(
+        "SPECMESH_DEVICE"
+    )
+
+
+@pytest.mark.parametrize("model_drafter", [False, True], ids=["ngram", "model-drafter"])
+def test_compose_gpu_pools_reserve_their_own_gpus(model_drafter: bool) -> None:
+    """compose.gpu.yml: prefill and decode each reserve a GPU of their own; drafters only
+    with compose.gpu-drafter.yml (model drafters), so NGRAM, the default, reserves none."""
+    overlays = TOPOLOGIES["gpu-model-drafter" if model_drafter else "gpu"]
+    services = _compose_stack(*overlays)["services"]
+    assert _default(services["drafter"]["environment"]["SPECMESH_SPECULATIVE_ALGORITHM"]) == "NGRAM"
+    on_gpu = (*GPU_POOLS, "drafter") if model_drafter else GPU_POOLS
+    reserved = []
+    for name in MODEL_POOLS:
+        service = services[name]
         assert "cu1" in service["build"]["args"]["TORCH_INDEX_URL"]  # a CUDA torch build
-        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
-        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
-        reservations.append(device["device_ids"])
-    assert reservations[0] != reservations[1]
+        assert service["environment"]["SPECMESH_DEVICE"] == ("cuda" if name in on_gpu else "cpu")
+        gpus = _reserved_gpus(service)
+        assert len(gpus) == (name in on_gpu), name
+        reserved += gpus
+    assert len(set(reserved)) == len(reserved)  # no two pools on one GPU
 
 
 def test_prometheus_scrapes_every_service_where_it_serves() -> None:
@@ -338,6 +407,36 @@ def test_nomad_job_has_a_group_per_service() -> None:
             assert env["SPECMESH_DEVICE"] == "cuda"
         else:
             assert not devices
+
+
+def _if(value: str, condition: str, holds: bool) -> str:
+    """`${<condition> ? a : b}` in a Nomad job: a where the condition holds, else b."""
+    match = re.fullmatch(rf"\$\{{{re.escape(condition)} \? (.+) : (.+)\}}", value)
+    assert match, value
+    return match[1] if holds else match[2]
+
+
+def test_nomad_pools_run_one_dtype_and_ngram_drafters_reserve_no_gpu() -> None:
+    spec = _hcl("specmesh.nomad.hcl")
+    assert _blocks(spec["variable"])["dtype"]["default"] == "bfloat16"
+    groups = _blocks(_blocks(spec["job"])["specmesh"]["group"])
+    tasks = {name: next(iter(_blocks(groups[name]["task"]).values())) for name in MODEL_POOLS}
+    for task in tasks.values():  # one image and one dtype for all (decode reads prefill's K/V)
+        assert task["env"][0]["SPECMESH_DTYPE"] == "${var.dtype}"
+        assert task["config"][0]["image"] == "${var.gpu_image}"
+    # The drafter's GPU follows the algorithm: a model drafter's, none for NGRAM.
+    (local,) = spec["locals"]
+    assert local["drafter_gpu"] == '${var.speculative_algorithm != "NGRAM"}'
+    drafter = tasks["drafter"]
+    (dynamic,) = drafter["resources"][0]["dynamic"]
+    device = dynamic["device"]
+    assert device["labels"] == ["${device.value}"] and device["content"] == [{"count": 1}]
+    for algorithm in ("NGRAM", "EAGLE3"):
+        gpu = algorithm != "NGRAM"
+        gpus = _if(device["for_each"], "local.drafter_gpu", gpu)
+        assert gpus == ('["nvidia/gpu"]' if gpu else "[]")
+        on = _if(drafter["env"][0]["SPECMESH_DEVICE"], "local.drafter_gpu", gpu)
+        assert on == ('"cuda"' if gpu else '"cpu"')
 
 
 def test_nomad_infrastructure_job() -> None:
@@ -548,3 +647,42 @@ def test_every_dashboard_metric_is_served(deployment: tuple[str, Path]) -> None:
             break
         time.sleep(0.5)
     assert not missing, f"the dashboard queries metrics no service serves: {sorted(missing)}"
+
+
+# K/V of another dtype: what the GPU topology did before every pool named one
+
+
+def test_decode_refuses_kv_of_another_dtype(smollm_dir: Path, tmp_path: Path) -> None:
+    """Prefill in float32, decode in bfloat16 (a tiny random model with SmolLM2's
+    tokenizer): decode refuses each request with an error naming both sides, logged once,
+    instead of missing every block and recomputing the prompt in silence; the gateway
+    answers with OpenAI's error JSON."""
+    model = Path(tiny_llama(tmp_path / "tiny", vocab=49152, seed=3))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm_dir / name, model / name)
+    log = tmp_path / "up.log"
+    common = ["--model", str(model), "--kv-cache-gb", "0.25", "--kv-namespace", "dtype-test"]
+    with start_nats() as nats:
+        argv = [sys.executable, "-m", "services.prefill", "--nats-url", nats.url, *common]
+        prefill = subprocess.Popen([*argv, "--dtype", "float32"])
+        try:
+            args = ["--nats-url", nats.url, "--prefills", "0", "--dtype", "bfloat16", *common[2:]]
+            with specmesh_up(model, *args, log=log) as url:
+                while not any(i.startswith("prefill") for i in heartbeats(nats.url, 1.0)):
+                    assert prefill.poll() is None
+                responses = [chat(url, "Hello", max_tokens=4) for _ in range(2)]
+        finally:
+            prefill.terminate()
+            prefill.wait(30)
+    for response in responses:
+        assert response.status_code == 500, response.text
+        error = response.json()["error"]
+        assert error["type"] == "server_error"
+        assert re.fullmatch(
+            r"prefill's K/V is for tiny \(LlamaForCausalLM, 1 layers\), float32, block size 16"
+            r" \[\w+\], this decode worker's for tiny \(LlamaForCausalLM, 1 layers\), bfloat16, "
+            r"block size 16 \[\w+\]: run prefill and decode with the same model, --dtype and "
+            r"--block-size",
+            error["message"],
+        ), error["message"]
+    assert log.read_text().count("refusing requests prefilled elsewhere") == 1

@@ -521,8 +521,9 @@ async def _crafted_messages(nats_url: str) -> list[str]:
             decode(reply.data, PrefillReply)
         outcomes.append(f"{info.value.status} {info.value}")
         # Admitted with K/V keys that name nothing: decode recomputes the prompt itself.
-        prefill = PrefillReply(
-            first_token=42, logprob=None, top_logprobs=None, kv_keys=["nope"], num_computed_tokens=2
+        real = PrefillRequest(request_id="c4", prompt_ids=[1, 2], params=params)
+        prefill = msgspec.structs.replace(
+            await bus.request(PREFILL, real, PrefillReply, 30), first_token=42, kv_keys=["nope"]
         )
         admit = AdmitRequest(
             request_id="c4",
@@ -533,6 +534,12 @@ async def _crafted_messages(nats_url: str) -> list[str]:
             detok_subject="crafted.detok",
             output_subject="crafted.out",
         )
+        # The same, but K/V of another model, dtype or block size: decode refuses it.
+        other = msgspec.structs.replace(prefill, kv_fingerprint="0" * 16)
+        foreign = msgspec.structs.replace(admit, prefill=other)
+        with pytest.raises(RemoteError) as info:
+            await bus.request(decode_subject("decode-0"), foreign, Admitted, 30)
+        outcomes.append(f"{info.value.status} {info.value}")
         got: asyncio.Queue[TokenBatches] = asyncio.Queue()
         await bus.serve("crafted.detok", got.put)
         await bus.request(decode_subject("decode-0"), admit, Admitted, 30)
@@ -549,8 +556,9 @@ async def _crafted_messages(nats_url: str) -> list[str]:
 
 
 def test_crafted_internal_messages_fail_only_themselves(deployment: Deployment) -> None:
-    """Wrong types, out-of-vocabulary tokens, K/V keys that name nothing and bytes that
-    are no message at all, sent straight to the services while a canary streams."""
+    """Wrong types, out-of-vocabulary tokens, K/V keys that name nothing or K/V of another
+    model, and bytes that are no message at all, sent straight to the services while a
+    canary streams."""
     d = deployment
     reference = chat_text(d.url, PROMPTS[2], **GREEDY)
     started = threading.Event()
@@ -562,7 +570,8 @@ def test_crafted_internal_messages_fail_only_themselves(deployment: Deployment) 
     assert outcomes[0].startswith("400 prompt token ids must be in"), outcomes
     assert outcomes[1] == "400 the prompt is empty", outcomes
     assert outcomes[2].startswith("400 bad PrefillRequest"), outcomes
-    assert outcomes[3] == "length 4 tokens", outcomes
+    assert outcomes[3].startswith("500 prefill's K/V is for "), outcomes
+    assert outcomes[4] == "length 4 tokens", outcomes
     assert chat_text(d.url, PROMPTS[2], **GREEDY) == reference
 
 

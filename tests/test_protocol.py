@@ -43,6 +43,8 @@ def _prefill(**changes: Any) -> dict[str, Any]:
         "top_logprobs": None,
         "kv_keys": ["k0"],
         "num_computed_tokens": 3,
+        "kv_fingerprint": "f0",
+        "kv_description": "a model, float32, block size 16",
         **changes,
     }
 
@@ -54,6 +56,8 @@ def test_nested_messages_round_trip() -> None:
         top_logprobs=[(7, -0.5), (9, -1.25)],
         kv_keys=["k0", "k1"],
         num_computed_tokens=12,
+        kv_fingerprint="f0",
+        kv_description="a model, float32, block size 16",
     )
     admit = AdmitRequest(
         request_id="r1",

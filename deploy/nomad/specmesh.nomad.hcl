@@ -12,7 +12,12 @@
 #     redis_password=...
 # (one NATS user per kind of service, allowed only its own subjects: specmesh-infra's nats.conf)
 # Clients need the Docker driver, a host volume "specmesh-models" for the model cache, and
-# for the decode and drafter pools the NVIDIA device plugin (device "nvidia/gpu").
+# for the GPU pools the NVIDIA device plugin (device "nvidia/gpu").
+#
+# GPUs: prefill and decode take one each, both in var.dtype (decode reads the K/V prefill
+# computed, and refuses K/V of another dtype). Drafters take one only for a model drafter
+# (EAGLE, EAGLE3, NEXTN, DFLASH, STANDALONE): local.drafter_gpu follows
+# var.speculative_algorithm, and NGRAM (a trie lookup) runs on the CPU with no GPU reserved.
 
 variable "datacenters" {
   type    = list(string)
@@ -22,13 +27,19 @@ variable "datacenters" {
 variable "image" {
   type        = string
   default     = "specmesh:cpu"
-  description = "deploy/Dockerfile built for CPU: gateway, tokenizer, prefill"
+  description = "deploy/Dockerfile built for CPU: gateway, tokenizer"
 }
 
 variable "gpu_image" {
   type        = string
   default     = "specmesh:cuda"
-  description = "deploy/Dockerfile built with CUDA torch: decode and drafter"
+  description = "deploy/Dockerfile built with CUDA torch: prefill, decode and drafter"
+}
+
+variable "dtype" {
+  type        = string
+  default     = "bfloat16"
+  description = "weights' and K/V's dtype of every pool that holds the model (one for all)"
 }
 
 variable "nats_url" {
@@ -56,6 +67,10 @@ variable "speculative_draft_model_path" {
   type        = string
   default     = ""
   description = "draft model or EAGLE head under /models; empty: the head shipped for the default model"
+}
+
+locals {
+  drafter_gpu = var.speculative_algorithm != "NGRAM" # a model drafter; NGRAM needs no GPU
 }
 
 variable "gateway_count" {
@@ -275,7 +290,7 @@ job "specmesh" {
       kill_timeout = "30s"
 
       config {
-        image   = var.image
+        image   = var.gpu_image
         command = "python"
         args    = ["-m", "services.prefill"]
         ports   = ["metrics"]
@@ -296,6 +311,8 @@ job "specmesh" {
         SPECMESH_REDIS_PASSWORD_FILE = "${NOMAD_SECRETS_DIR}/redis_password"
         SPECMESH_SPECULATIVE_ALGORITHM        = var.speculative_algorithm
         SPECMESH_SPECULATIVE_DRAFT_MODEL_PATH = var.speculative_draft_model_path
+        SPECMESH_DEVICE              = "cuda"
+        SPECMESH_DTYPE               = var.dtype
         SPECMESH_METRICS_HOST        = "0.0.0.0"
         SPECMESH_METRICS_PORT        = "9100"
         OTEL_EXPORTER_OTLP_ENDPOINT  = var.otlp_endpoint
@@ -316,6 +333,10 @@ job "specmesh" {
       resources {
         cpu    = 4000
         memory = 8192
+
+        device "nvidia/gpu" {
+          count = 1
+        }
       }
     }
   }
@@ -383,6 +404,7 @@ job "specmesh" {
         SPECMESH_SPECULATIVE_ALGORITHM = var.speculative_algorithm
         SPECMESH_SPECULATIVE_DRAFT_MODEL_PATH = var.speculative_draft_model_path
         SPECMESH_DEVICE                = "cuda"
+        SPECMESH_DTYPE                 = var.dtype
         SPECMESH_METRICS_HOST          = "0.0.0.0"
         SPECMESH_METRICS_PORT          = "9100"
         OTEL_EXPORTER_OTLP_ENDPOINT    = var.otlp_endpoint
@@ -470,7 +492,8 @@ job "specmesh" {
         SPECMESH_NATS_PASSWORD_FILE    = "${NOMAD_SECRETS_DIR}/nats_password"
         SPECMESH_SPECULATIVE_ALGORITHM = var.speculative_algorithm
         SPECMESH_SPECULATIVE_DRAFT_MODEL_PATH = var.speculative_draft_model_path
-        SPECMESH_DEVICE                = "cuda"
+        SPECMESH_DEVICE                = local.drafter_gpu ? "cuda" : "cpu"
+        SPECMESH_DTYPE                 = var.dtype
         SPECMESH_METRICS_HOST          = "0.0.0.0"
         SPECMESH_METRICS_PORT          = "9100"
         OTEL_EXPORTER_OTLP_ENDPOINT    = var.otlp_endpoint
@@ -486,8 +509,12 @@ job "specmesh" {
         cpu    = 2000
         memory = 8192
 
-        device "nvidia/gpu" {
-          count = 1
+        dynamic "device" { # a GPU for a model drafter only
+          for_each = local.drafter_gpu ? ["nvidia/gpu"] : []
+          labels   = [device.value]
+          content {
+            count = 1
+          }
         }
       }
     }

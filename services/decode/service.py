@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 from collections.abc import AsyncGenerator
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from shared.core.sequence import RemotePrefix
 from shared.core.spec_stats import SpecStats
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import EngineConfig, FirstToken, LLMEngine, TokenOutput
-from shared.kvcache.exchange import KVExchange, model_fingerprint
+from shared.kvcache.exchange import KVExchange, kv_description, model_fingerprint
 from shared.model.config import ModelConfig
 from shared.model.fetch import resolve_model
 from shared.protocol import (
@@ -34,6 +35,8 @@ from shared.protocol import (
     AdmitRequest,
     Admitted,
     Heartbeat,
+    PrefillReply,
+    RemoteError,
     TokenBatch,
     TokenBatches,
     decode_subject,
@@ -53,6 +56,8 @@ from shared.telemetry import (
     VERIFY_SECONDS,
 )
 from shared.transport import TransportConfig
+
+log = logging.getLogger(__name__)
 
 
 class DecodeService(EngineService):
@@ -89,6 +94,8 @@ class DecodeService(EngineService):
         self.driver = AsyncEngine(self.engine, own_thread=False)
         self.stream_interval = dcfg.stream_interval
         self.model_name = model_name_of(ecfg.model)
+        self.kv_description = kv_description(self.model_name, self.engine.model, ecfg.block_size)
+        self.refused_fingerprints: set[str] = set()  # each logged once, not per request
         self._draft_wait_reported = 0.0
         self._spec_reported = SpecStats()  # the engine's totals at the last heartbeat
 
@@ -141,6 +148,7 @@ class DecodeService(EngineService):
             raise ValueError(f"request {req.request_id} is already decoding here")
         self.engine.check_request(req.prompt_ids, req.params)
         pre = req.prefill
+        self._check_kv_format(pre)
         ctx = otel_context.get_current()
         if self.client is not None:
             self.client.assign(req.request_id, req.drafter_id, ctx)
@@ -156,6 +164,22 @@ class DecodeService(EngineService):
         self.gateway_subject_of[req.request_id] = req.output_subject
         task.add_done_callback(lambda _: self._ended(req.request_id))
         return Admitted(decode_id=self.instance_id)
+
+    def _check_kv_format(self, pre: PrefillReply) -> None:
+        """Refuse K/V made for another model, dtype or block size: its keys would miss
+        every block, and the prompt be recomputed here in silence (prefill's work lost)."""
+        fingerprint = self.engine.kv_exchange.fingerprint
+        if pre.kv_fingerprint == fingerprint:
+            return
+        message = (
+            f"prefill's K/V is for {pre.kv_description} [{pre.kv_fingerprint}], this decode "
+            f"worker's for {self.kv_description} [{fingerprint}]: run prefill and decode "
+            "with the same model, --dtype and --block-size"
+        )
+        if pre.kv_fingerprint not in self.refused_fingerprints:
+            self.refused_fingerprints.add(pre.kv_fingerprint)
+            log.error("refusing requests prefilled elsewhere: %s", message)
+        raise RemoteError(message, 500)
 
     def _ended(self, request_id: str) -> None:
         self.streams.pop(request_id, None)

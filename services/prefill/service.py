@@ -20,7 +20,7 @@ from shared.config import model_name_of
 from shared.core.sequence import RemotePrefix, Sequence
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import EngineConfig, LLMEngine
-from shared.kvcache.exchange import KVExchange, feature_tag, model_fingerprint
+from shared.kvcache.exchange import KVExchange, feature_tag, kv_description, model_fingerprint
 from shared.model.fetch import resolve_model
 from shared.protocol import (
     ABORT,
@@ -58,6 +58,7 @@ class PrefillEngine(LLMEngine):
         super().__init__(cfg)
         fingerprint = model_fingerprint(self.model, cfg.block_size)
         self.kv_exchange = KVExchange(self.kv_cache, transport, fingerprint, ttl_s, "prefill")
+        self.kv_description = kv_description(model_name_of(cfg.model), self.model, cfg.block_size)
         # request id -> its prompt's block keys, picked up by the service
         self.handoff: dict[str, list[str] | RemoteError] = {}
         self.runner.feature_layers, self.runner.feature_normed = target_features
@@ -188,6 +189,8 @@ class PrefillService(EngineService):
             top_logprobs=first.top_logprobs,
             kv_keys=keys,
             num_computed_tokens=computed,
+            kv_fingerprint=exchange.fingerprint,
+            kv_description=engine.kv_description,
         )
 
     def heartbeat(self) -> Heartbeat:

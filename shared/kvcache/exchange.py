@@ -3,7 +3,9 @@
 A block is stored under the chained hash of its tokens (the same hash the
 prefix cache uses; a partial last block hashes the tokens it has), behind a
 fingerprint of the model, so equal keys always mean equal K/V: any service can
-reuse a stored prefix, and writers of the same key never conflict. Target features
+reuse a stored prefix, and writers of the same key never conflict. The fingerprint
+also travels with the hand-off (PrefillReply), so decode refuses K/V made for another
+model, dtype or block size rather than missing every block. Target features
 for EAGLE drafters (the outputs of chosen layers at each position) travel the same
 way, one blob per block under the block's key and a tag naming the layers, so a
 drafter's head starts warm at the first decode step.
@@ -31,6 +33,17 @@ def model_fingerprint(model: LlamaForCausalLM, block_size: int) -> str:
     h.update(str(block_size).encode())
     h.update(weight.numpy().tobytes())
     return h.hexdigest()
+
+
+def kv_description(model_name: str, model: LlamaForCausalLM, block_size: int) -> str:
+    """What model_fingerprint stands for, in words: an error refusing another service's
+    K/V names both sides' (the hashes alone cannot say which setting differs)."""
+    cfg = model.config
+    dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    return (
+        f"{model_name} ({cfg.architecture}, {cfg.num_layers} layers), {dtype}, "
+        f"block size {block_size}"
+    )
 
 
 class KVExchange:
