@@ -1,8 +1,8 @@
 // Few rows (decode, verification) are bound by reading the weights once; many rows
 // (prefill) by the FMA units. One layout serves both: each 16-column block of the weight
-// is read from memory once per call, and up to 6 input rows at a time are multiplied
-// against it while it sits in cache (a 6x16 tile: 12 accumulator registers, 2 weight
-// loads and 6 broadcasts per k).
+// is read from memory once per call, and up to 6 input rows at a time (12 with AVX-512)
+// are multiplied against it while it sits in cache (a 6x16 AVX2 tile: 12 accumulator
+// registers, 2 weight loads and 6 broadcasts per k).
 #include "matmul.h"
 
 #include <ATen/Parallel.h>
@@ -15,10 +15,9 @@
 namespace {
 
 constexpr int64_t COLS = 16;
-constexpr int TILE_ROWS = 6;
 // Rows one job multiplies against a block: decode and verification are one job per
 // block (the weight read once); prefill splits its rows so every core has work.
-constexpr int64_t JOB_ROWS = 8 * TILE_ROWS;
+constexpr int64_t JOB_ROWS = 48;
 // Weight lines are requested this many k (4 KB) ahead: with several rows per tile the
 // FMAs between loads keep the out-of-order window from reaching that far by itself.
 constexpr int64_t PREFETCH_K = 64;
@@ -79,15 +78,42 @@ void tile(const float* x, const float* w, int64_t K, const Target& t) {
   TILE_STORE(0) TILE_STORE(1) TILE_STORE(2) TILE_STORE(3) TILE_STORE(4) TILE_STORE(5)
 }
 
-void tile_rows(int64_t rows, const float* x, const float* w, int64_t K, const Target& t) {
-  switch (rows) {
-    case 1: return tile<1>(x, w, K, t);
-    case 2: return tile<2>(x, w, K, t);
-    case 3: return tile<3>(x, w, K, t);
-    case 4: return tile<4>(x, w, K, t);
-    case 5: return tile<5>(x, w, K, t);
-    default: return tile<6>(x, w, K, t);
+// With AVX-512 a block is one register, so a tile holds twice the rows: 8 verified
+// tokens are one pass over the block with enough accumulators to fill the FMA units.
+#define TILE512_ROW(r) \
+  if constexpr (R > r) a##r = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), wk, a##r);
+#define TILE512_STORE(r)                                                                  \
+  if constexpr (R > r)                                                                    \
+    store_row(_mm512_castps512_ps256(a##r),                                               \
+              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a##r), 1)), t, r);
+
+template <int R>
+__attribute__((target("avx512f"))) void tile512(const float* x, const float* w, int64_t K,
+                                                const Target& t) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+         a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
+  for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + (k + PREFETCH_K) * COLS), _MM_HINT_T0);
+    const __m512 wk = _mm512_load_ps(w + k * COLS);
+    TILE512_ROW(0) TILE512_ROW(1) TILE512_ROW(2) TILE512_ROW(3) TILE512_ROW(4) TILE512_ROW(5)
+    TILE512_ROW(6) TILE512_ROW(7) TILE512_ROW(8) TILE512_ROW(9) TILE512_ROW(10) TILE512_ROW(11)
   }
+  TILE512_STORE(0) TILE512_STORE(1) TILE512_STORE(2) TILE512_STORE(3) TILE512_STORE(4)
+  TILE512_STORE(5) TILE512_STORE(6) TILE512_STORE(7) TILE512_STORE(8) TILE512_STORE(9)
+  TILE512_STORE(10) TILE512_STORE(11)
+}
+
+// Tiles of up to 6 rows run the AVX2 kernel (as fast as AVX-512's for so few rows), so
+// both kernels serve on a machine with AVX-512.
+const int64_t TILE_ROWS = __builtin_cpu_supports("avx512f") ? 12 : 6;
+
+// The tile of exactly `rows` (1..R) rows.
+template <int R>
+void tile_rows(int64_t rows, const float* x, const float* w, int64_t K, const Target& t) {
+  if constexpr (R > 1)
+    if (rows < R) return tile_rows<R - 1>(rows, x, w, K, t);
+  if constexpr (R > 6) tile512<R>(x, w, K, t);
+  else tile<R>(x, w, K, t);
 }
 
 const float* data_or_null(const torch::Tensor& t) {
@@ -134,7 +160,7 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& blocke
         const int64_t tile = rows / tiles + (i < rows % tiles);
         Target t{yp + r * n + col, bp ? bp + col : nullptr, rp ? rp + r * n + col : nullptr, n,
                  std::min(COLS, n - col)};
-        tile_rows(tile, xp + r * k, wp + b * k * COLS, k, t);
+        tile_rows<12>(tile, xp + r * k, wp + b * k * COLS, k, t);
         r += tile;
       }
     }
