@@ -68,6 +68,40 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
 
 
+# SGLang's --kv-cache-dtype names (its fp4 formats aside), and float16 for fp32 models.
+_KV_CACHE_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+KV_CACHE_DTYPES = ("auto", *_KV_CACHE_DTYPES)
+
+
+def resolve_kv_cache_dtype(
+    name: str | None, model_dtype: torch.dtype, device: torch.device
+) -> torch.dtype:
+    """The KV cache's storage dtype: "auto" is the model's. One the device cannot store and
+    read back (fp8 where torch has no kernels for it) fails here, at start."""
+    if name in (None, "", "auto"):
+        return model_dtype
+    try:
+        dtype = _KV_CACHE_DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(
+            f"unknown --kv-cache-dtype {name!r}; choose one of {list(KV_CACHE_DTYPES)}"
+        ) from None
+    try:  # what the cache does with it: cast in, gather and scatter slots, cast out
+        probe = torch.ones(2, device=device).to(dtype)
+        at = torch.zeros(1, dtype=torch.long, device=device)
+        probe[at] = probe.index_select(0, at)
+        probe.float()
+    except (RuntimeError, NotImplementedError) as exc:
+        raise ValueError(f"--kv-cache-dtype {name} is not supported on {device}: {exc}") from None
+    return dtype
+
+
 T = TypeVar("T")
 
 
@@ -84,7 +118,10 @@ def device_option() -> Any:
 
 def dtype_option() -> Any:
     return option(
-        None, "weights' and KV's dtype (default auto: fp32 on CPU, bf16 on GPU)", choices=DTYPES
+        None,
+        "weights' dtype, and the KV cache's unless --kv-cache-dtype (default auto: fp32 on CPU, "
+        "bf16 on GPU)",
+        choices=DTYPES,
     )
 
 
@@ -109,10 +146,6 @@ class SGLangFlags:
     starts us unchanged; each help says what it does here."""
 
     enable_metrics: bool = option(True, "always on here: every service serves /metrics")
-    mem_fraction_static: float | None = option(
-        None, "SGLang's device-memory share for weights and KV; here --kv-cache-gb sizes the KV"
-    )
-    cuda_graph_max_bs: int | None = option(None, "SGLang's CUDA-graph batch limit; unused here")
     trust_remote_code: bool = option(
         False, "unused here: checkpoints are only ever read as tensors, never run as code"
     )

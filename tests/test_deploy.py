@@ -679,10 +679,10 @@ def test_decode_refuses_kv_of_another_dtype(smollm_dir: Path, tmp_path: Path) ->
         error = response.json()["error"]
         assert error["type"] == "server_error"
         assert re.fullmatch(
-            r"prefill's K/V is for tiny \(LlamaForCausalLM, 1 layers\), float32, block size 16"
-            r" \[\w+\], this decode worker's for tiny \(LlamaForCausalLM, 1 layers\), bfloat16, "
-            r"block size 16 \[\w+\]: run prefill and decode with the same model, --dtype and "
-            r"--block-size",
+            r"prefill's K/V is for tiny \(LlamaForCausalLM, 1 layers\), float32, KV float32, "
+            r"block size 16 \[\w+\], this decode worker's for tiny \(LlamaForCausalLM, 1 layers\), "
+            r"bfloat16, KV bfloat16, block size 16 \[\w+\]: run prefill and decode with the same "
+            r"model, --dtype, --kv-cache-dtype and --block-size",
             error["message"],
         ), error["message"]
     assert log.read_text().count("refusing requests prefilled elsewhere") == 1

@@ -53,7 +53,7 @@ def split(smollm_dir: Path, transport: ShmTransport) -> tuple[PrefillEngine, LLM
     cfg = EngineConfig(model=str(smollm_dir), kv_cache_gb=0.25)
     prefill = PrefillEngine(cfg, transport, ttl_s=60)
     decode = LLMEngine(cfg)
-    fingerprint = model_fingerprint(decode.model, cfg.block_size)
+    fingerprint = model_fingerprint(decode.model, decode.kv_cache)
     assert fingerprint == prefill.kv_exchange.fingerprint
     decode.kv_exchange = KVExchange(decode.kv_cache, transport, fingerprint, 60, "decode")
     return prefill, decode

@@ -9,9 +9,9 @@
 - `kv_move`: the accepted path's K/V moved to the positions it now occupies (reference:
   `KVCache.copy_tokens`, as `Speculator.verify` calls it).
 
-The modules import Triton at their top, so nothing outside `kernels` imports them at module
-import time: CPU use never needs Triton. `python -m kernels.check` holds every kernel to its
-reference; without a GPU it runs them under Triton's interpreter (`TRITON_INTERPRET=1`),
-which must be set before these modules are imported (Triton reads it when a kernel is
-defined).
+The modules import Triton at their top, so only what chooses them imports them (the
+`--attention-backend triton` backend, when chosen; the check): CPU use never needs Triton.
+`python -m kernels.check` holds every kernel to its reference; without a GPU it runs them
+under Triton's interpreter (`TRITON_INTERPRET=1`), which must be set before these modules are
+imported (Triton reads it when a kernel is defined).
 """

@@ -87,14 +87,16 @@ class DecodeService(EngineService):
             )
         self.engine = LLMEngine(ecfg, self.spec, self.client, dcfg.overlap)
         self.engine.step_listeners.append(VERIFY_SECONDS.observe)
-        fingerprint = model_fingerprint(self.engine.model, ecfg.block_size)
+        fingerprint = model_fingerprint(self.engine.model, self.engine.kv_cache)
         self.engine.kv_exchange = KVExchange(
             self.engine.kv_cache, self.transport, fingerprint, tcfg.kv_ttl, self.kind
         )
         self.driver = AsyncEngine(self.engine, own_thread=False)
         self.stream_interval = dcfg.stream_interval
         self.model_name = model_name_of(ecfg.model)
-        self.kv_description = kv_description(self.model_name, self.engine.model, ecfg.block_size)
+        self.kv_description = kv_description(
+            self.model_name, self.engine.model, self.engine.kv_cache
+        )
         self.refused_fingerprints: set[str] = set()  # each logged once, not per request
         self._draft_wait_reported = 0.0
         self._spec_reported = SpecStats()  # the engine's totals at the last heartbeat
@@ -166,7 +168,7 @@ class DecodeService(EngineService):
         return Admitted(decode_id=self.instance_id)
 
     def _check_kv_format(self, pre: PrefillReply) -> None:
-        """Refuse K/V made for another model, dtype or block size: its keys would miss
+        """Refuse K/V made for another model, dtype, KV dtype or block size: its keys would miss
         every block, and the prompt be recomputed here in silence (prefill's work lost)."""
         fingerprint = self.engine.kv_exchange.fingerprint
         if pre.kv_fingerprint == fingerprint:
@@ -174,7 +176,7 @@ class DecodeService(EngineService):
         message = (
             f"prefill's K/V is for {pre.kv_description} [{pre.kv_fingerprint}], this decode "
             f"worker's for {self.kv_description} [{fingerprint}]: run prefill and decode "
-            "with the same model, --dtype and --block-size"
+            "with the same model, --dtype, --kv-cache-dtype and --block-size"
         )
         if pre.kv_fingerprint not in self.refused_fingerprints:
             self.refused_fingerprints.add(pre.kv_fingerprint)

@@ -56,9 +56,9 @@ class PrefillEngine(LLMEngine):
         target_features: tuple[tuple[int, ...], bool] = ((), False),
     ) -> None:
         super().__init__(cfg)
-        fingerprint = model_fingerprint(self.model, cfg.block_size)
+        fingerprint = model_fingerprint(self.model, self.kv_cache)
         self.kv_exchange = KVExchange(self.kv_cache, transport, fingerprint, ttl_s, "prefill")
-        self.kv_description = kv_description(model_name_of(cfg.model), self.model, cfg.block_size)
+        self.kv_description = kv_description(model_name_of(cfg.model), self.model, self.kv_cache)
         # request id -> its prompt's block keys, picked up by the service
         self.handoff: dict[str, list[str] | RemoteError] = {}
         self.runner.feature_layers, self.runner.feature_normed = target_features

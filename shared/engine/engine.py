@@ -12,12 +12,14 @@ from pathlib import Path
 import torch
 
 from shared.config import (
+    KV_CACHE_DTYPES,
     device_option,
     dtype_option,
     model_option,
     option,
     resolve_device,
     resolve_dtype,
+    resolve_kv_cache_dtype,
 )
 from shared.core.sequence import RemotePrefix, Sequence, SequenceStatus
 from shared.core.spec_stats import SpecStats
@@ -26,9 +28,11 @@ from shared.engine.scheduler import Scheduler
 from shared.engine.speculation import PendingDrafts, Speculator, StepCosts
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.exchange import KVExchange, feature_tag
-from shared.kvcache.kv_cache import KVCache
+from shared.kvcache.kv_cache import KVCache, blocks_for_mem_fraction
 from shared.model.attention import ATTENTION_BACKENDS
+from shared.model.config import ModelConfig
 from shared.model.loader import load_model
+from shared.runner.cuda_graph import decode_graphs
 from shared.runner.model_runner import ModelRunner
 from shared.sampling.grammar import GrammarCompiler
 from shared.sampling.params import SamplingParams
@@ -47,7 +51,21 @@ class EngineConfig:
     device: str | None = device_option()
     dtype: str | None = dtype_option()
     block_size: int = option(16, "tokens per KV-cache block", aliases=("--page-size",))
-    kv_cache_gb: float = option(1.0, "memory for the KV cache, GiB")
+    kv_cache_gb: float = option(
+        1.0, "memory for the KV cache, GiB (on CUDA, --mem-fraction-static replaces it)"
+    )
+    mem_fraction_static: float | None = option(
+        None,
+        "CUDA only, as SGLang: the share of the device memory free at start that the weights "
+        "and KV cache take together; the KV cache gets what the weights leave (on CPU "
+        "--kv-cache-gb sizes it)",
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "K/V storage dtype: auto (the model's), bf16, float16, fp8_e4m3, fp8_e5m2 (fp8 with "
+        "scale 1.0, saturating); attention reads it back in the model's dtype",
+        choices=KV_CACHE_DTYPES,
+    )
     max_num_seqs: int = option(
         64, "most sequences running at once", aliases=("--max-running-requests",)
     )
@@ -60,6 +78,19 @@ class EngineConfig:
         aliases=("--context-length",),
     )
     attention_backend: str = option("torch", "attention implementation", choices=ATTENTION_BACKENDS)
+    cuda_graph_max_bs: int | None = option(
+        None,
+        "as SGLang: the largest decode batch replayed from a CUDA graph (default: "
+        "--max-num-seqs); CUDA with the triton or flashinfer backend; no effect on CPU",
+    )
+    disable_cuda_graph: bool = option(
+        False, "as SGLang: decode without CUDA graphs (no effect on CPU, which has none)"
+    )
+    enable_torch_compile: bool = option(
+        False,
+        "as SGLang: torch.compile the forward that CUDA graphs capture; ignored on CPU "
+        "(logged), where the packed matmuls do not compile",
+    )
     random_seed: int | None = option(
         None, "seed for sampling the requests that bring no seed of their own (default: random)"
     )
@@ -97,6 +128,47 @@ class EngineStats:
     draft_wait_seconds: float = 0.0  # waiting for drafts (a drafter in another process)
 
 
+def _free_cuda_memory(device: torch.device) -> int:
+    """Bytes free on a CUDA device, counting what torch's allocator caches but no tensor
+    holds as free (what --mem-fraction-static divides)."""
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def _kv_cache(
+    cfg: EngineConfig,
+    mcfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    free_at_start: int | None,
+) -> KVCache:
+    """The engine's KV cache: sized by --mem-fraction-static where `free_at_start` (CUDA bytes
+    free before the weights were loaded) is given, else by --kv-cache-gb."""
+    if free_at_start is None:
+        if cfg.mem_fraction_static is not None:
+            log.info("--mem-fraction-static applies to CUDA; --kv-cache-gb sizes this KV cache")
+        cache = KVCache.for_memory(mcfg, cfg.kv_cache_gb, cfg.block_size, device, dtype)
+    else:
+        context = min(cfg.max_model_len or 1, mcfg.max_position_embeddings)
+        blocks = blocks_for_mem_fraction(
+            cfg.mem_fraction_static,
+            free_at_start,
+            _free_cuda_memory(device),
+            KVCache.block_bytes(mcfg, cfg.block_size, dtype),
+            min_blocks=-(-context // cfg.block_size),  # one sequence of the asked context
+        )
+        cache = KVCache(mcfg, blocks, cfg.block_size, device, dtype)
+    gib = cache.num_blocks * KVCache.block_bytes(mcfg, cfg.block_size, dtype) / 2**30
+    log.info(
+        "KV cache: %d blocks of %d tokens, %.2f GiB of %s",
+        cache.num_blocks,
+        cfg.block_size,
+        gib,
+        str(dtype).removeprefix("torch."),
+    )
+    return cache
+
+
 def _generation_eos(model_dir: Path) -> set[int]:
     path = model_dir / "generation_config.json"
     if not path.exists():
@@ -121,11 +193,19 @@ class LLMEngine:
             torch.manual_seed(cfg.random_seed)
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
+        kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, dtype, device)
         if cfg.model is None:
             raise ValueError("EngineConfig.model must name a model directory or .gguf file")
+        by_fraction = cfg.mem_fraction_static is not None and device.type == "cuda"
+        free_at_start = _free_cuda_memory(device) if by_fraction else None
+        if kv_dtype != dtype and cfg.attention_backend != "torch":
+            raise ValueError(
+                f"--kv-cache-dtype {cfg.kv_cache_dtype} needs --attention-backend torch: the "
+                f"{cfg.attention_backend} backend reads K/V in the model's dtype"
+            )
         self.model = load_model(cfg.model, device, dtype, cfg.attention_backend)
         mcfg = self.model.config
-        self.kv_cache = KVCache.for_memory(mcfg, cfg.kv_cache_gb, cfg.block_size, device, dtype)
+        self.kv_cache = _kv_cache(cfg, mcfg, device, kv_dtype, free_at_start)
         self.max_model_len = min(
             cfg.max_model_len or mcfg.max_position_embeddings,
             mcfg.max_position_embeddings,
@@ -136,7 +216,16 @@ class LLMEngine:
         self.block_manager = BlockManager(self.kv_cache.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         eos = frozenset(self.eos_token_ids)
-        self.runner = ModelRunner(self.model, self.kv_cache, eos)
+        max_bs = cfg.cuda_graph_max_bs or cfg.max_num_seqs
+        graphs = decode_graphs(
+            self.model,
+            self.kv_cache,
+            self.max_model_len,
+            max_bs,
+            cfg.disable_cuda_graph,
+            cfg.enable_torch_compile,
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, eos, graphs)
         self.speculator: Speculator | None = None
         # Called with (sequence, target features of the rows it computed this step, the first
         # row's position) once `runner.feature_layers` is set: the EAGLE speculator, prefill's
@@ -286,7 +375,8 @@ class LLMEngine:
             return
         tag = feature_tag(self.runner.feature_layers, self.runner.feature_normed)
         try:
-            loaded = self.kv_exchange.load_features(remote.keys, tag)
+            dtype = self.model.embed_tokens.weight.dtype
+            loaded = self.kv_exchange.load_features(remote.keys, tag, dtype)
         except (ConnectionError, ValueError, RuntimeError) as exc:
             log.warning("request %s: prompt features not loaded: %s", seq.request_id, exc)
             return

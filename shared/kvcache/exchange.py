@@ -5,7 +5,7 @@ prefix cache uses; a partial last block hashes the tokens it has), behind a
 fingerprint of the model, so equal keys always mean equal K/V: any service can
 reuse a stored prefix, and writers of the same key never conflict. The fingerprint
 also travels with the hand-off (PrefillReply), so decode refuses K/V made for another
-model, dtype or block size rather than missing every block. Target features
+model, dtype, KV dtype or block size rather than missing every block. Target features
 for EAGLE drafters (the outputs of chosen layers at each position) travel the same
 way, one blob per block under the block's key and a tag naming the layers, so a
 drafter's head starts warm at the first decode step.
@@ -24,25 +24,32 @@ from shared.telemetry import TRANSPORT_BYTES
 from shared.transport import KVTransport
 
 
-def model_fingerprint(model: LlamaForCausalLM, block_size: int) -> str:
-    """Differs between models, dtypes and block sizes (K/V of one is no use to another).
-    The first embedding rows stand in for the weights: fine-tunes of one config differ."""
+def model_fingerprint(model: LlamaForCausalLM, kv_cache: KVCache) -> str:
+    """Differs between models, dtypes, KV dtypes and block sizes (K/V of one is no use to
+    another). The first embedding rows stand in for the weights: fine-tunes of one config
+    differ."""
     weight = model.embed_tokens.weight[:64].detach().float().cpu().contiguous()
     h = hashlib.blake2b(digest_size=8)
     h.update(repr((model.config, weight.dtype, model.embed_tokens.weight.dtype)).encode())
-    h.update(str(block_size).encode())
+    h.update(str(kv_cache.block_size).encode())
+    if (
+        kv_cache.dtype != model.embed_tokens.weight.dtype
+    ):  # else the same bytes as before the option
+        h.update(f"kv {kv_cache.dtype}".encode())
     h.update(weight.numpy().tobytes())
     return h.hexdigest()
 
 
-def kv_description(model_name: str, model: LlamaForCausalLM, block_size: int) -> str:
+def kv_description(model_name: str, model: LlamaForCausalLM, kv_cache: KVCache) -> str:
     """What model_fingerprint stands for, in words: an error refusing another service's
     K/V names both sides' (the hashes alone cannot say which setting differs)."""
     cfg = model.config
-    dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    dtype, kv_dtype = (
+        str(t).removeprefix("torch.") for t in (model.embed_tokens.weight.dtype, kv_cache.dtype)
+    )
     return (
         f"{model_name} ({cfg.architecture}, {cfg.num_layers} layers), {dtype}, "
-        f"block size {block_size}"
+        f"KV {kv_dtype}, block size {kv_cache.block_size}"
     )
 
 
@@ -106,16 +113,18 @@ class KVExchange:
         self.transport.put_many({k: v.tobytes() for k, v in items.items()}, self.ttl_s)
         self.written.inc(sum(v.nbytes for v in items.values()))
 
-    def load_features(self, keys: list[str], tag: str) -> tuple[int, torch.Tensor] | None:
-        """The stored feature rows of the longest run of blocks ending at the last one:
-        (its first position, rows), or None if the last block has none."""
+    def load_features(
+        self, keys: list[str], tag: str, dtype: torch.dtype
+    ) -> tuple[int, torch.Tensor] | None:
+        """The stored feature rows (hidden states, in the model's `dtype`, which the KV dtype
+        need not be) of the longest run of blocks ending at the last one: (its first
+        position, rows), or None if the last block has none."""
         blobs = self.transport.get_many([f"{key}-features-{tag}" for key in keys])
         first = len(blobs)
         while first > 0 and blobs[first - 1] is not None:
             first -= 1
         if first == len(blobs):
             return None
-        dtype = self.kv_cache.storage.dtype
         rows = [
             torch.frombuffer(bytearray(b), dtype=dtype).view(_block_tokens(key), -1)
             for key, b in zip(keys[first:], blobs[first:], strict=True)
@@ -140,7 +149,7 @@ class KVExchange:
         if len(data) != size:
             raise KeyError(f"KV block {key} has {len(data)} bytes, not {size}")
         values = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(storage.dtype)
-        if not torch.isfinite(values).all():
+        if not torch.isfinite(values.float()).all():  # float(): isfinite has no fp8 kernel
             raise KeyError(f"KV block {key} holds NaN or infinite values")
         target.copy_(values.view(target.shape))
 

@@ -4,18 +4,20 @@ A forward pass carries new tokens of many sequences flattened into one
 `[T, heads, head_dim]` batch. Each sequence sees its cached prefix in full and
 its new tokens through a mask: causal for prefill and decode, or any mask
 ("extend with a custom mask"), which is what tree verification needs.
-The torch backend below is the CPU default; GPU backends live in `kernels/`
-and are imported only when asked for.
+The torch backend below is the CPU default; the GPU backends (`triton_attention.py`
+over `kernels/triton`, `flashinfer_attention.py`) are imported only when asked for.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from shared.model.config import ModelConfig
 
 
 @dataclass
@@ -40,9 +42,10 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    def prepare(
-        self, spans: list[SequenceSpan], block_size: int, device: torch.device
-    ) -> AttentionMetadata: ...
+    """`prepare` returns the backend's own metadata (AttentionMetadata for the torch
+    backend), which each layer's `forward` then receives."""
+
+    def prepare(self, spans: list[SequenceSpan], block_size: int, device: torch.device) -> Any: ...
 
     def forward(
         self,
@@ -51,7 +54,7 @@ class AttentionBackend(Protocol):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: Any,
     ) -> torch.Tensor: ...
 
 
@@ -61,9 +64,22 @@ def context_slots(block_table: list[int], length: int, block_size: int) -> torch
     return slots[:length]
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache[slots] via index_select, which is several times faster than advanced indexing."""
-    return cache.index_select(0, slots.flatten()).view(*slots.shape, *cache.shape[1:])
+def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache[slots] in `dtype` (a --kv-cache-dtype cache is read back in the model's), via
+    index_select, which is several times faster than advanced indexing."""
+    rows = cache.index_select(0, slots.flatten()).view(*slots.shape, *cache.shape[1:])
+    return rows.to(dtype)
+
+
+def _store(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """cache[slots] = rows, cast to the cache's dtype (--kv-cache-dtype) and saturated to its
+    range: fp8 with a scale of 1.0, as SGLang's default without scales."""
+    if rows.dtype != cache.dtype:
+        info = torch.finfo(cache.dtype)
+        rows = rows.clamp(info.min, info.max).to(cache.dtype)
+    if cache.element_size() == 1:  # index_copy_ has no CPU fp8 kernel: move the bytes
+        cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+    cache.index_copy_(0, slots, rows)
 
 
 class TorchAttention:
@@ -116,8 +132,8 @@ class TorchAttention:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_slots, KVH, D]. Returns [T, H*D]."""
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        _store(k_cache, meta.slot_mapping, k)
+        _store(v_cache, meta.slot_mapping, v)
         num_tokens, num_heads, head_dim = q.shape
         kv_heads = k.shape[1]
         group = num_heads // kv_heads
@@ -127,7 +143,9 @@ class TorchAttention:
             # In a pure decode step every row is a decode row, in order: no gather needed.
             qd = q[meta.decode_rows] if meta.extends else q
             qd = qd.view(-1, kv_heads, group, head_dim)
-            kd, vd = (_gather(c, meta.decode_slots).transpose(1, 2) for c in (k_cache, v_cache))
+            kd, vd = (
+                _gather(c, meta.decode_slots, q.dtype).transpose(1, 2) for c in (k_cache, v_cache)
+            )
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
             if not meta.extends:
                 return od.reshape(num_tokens, num_heads * head_dim)
@@ -138,23 +156,38 @@ class TorchAttention:
             # Fold the query heads of each KV group into the row dimension (no K/V repeat).
             qe = q[start : start + n].view(n, kv_heads, group, head_dim).permute(1, 2, 0, 3)
             qe = qe.reshape(kv_heads, group * n, head_dim)
-            ke, ve = (_gather(c, slots).transpose(0, 1) for c in (k_cache, v_cache))
+            ke, ve = (_gather(c, slots, q.dtype).transpose(0, 1) for c in (k_cache, v_cache))
             oe = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=mask.repeat(group, 1))
             oe = oe.view(kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
             out[start : start + n] = oe.reshape(n, num_heads, head_dim)
         return out.view(num_tokens, num_heads * head_dim)
 
 
-# GPU backends are imported by name only when chosen, so CPU use never needs them.
-_BACKENDS = {"torch": "shared.model.attention:TorchAttention"}
+# Backends by name, each imported only when chosen, so CPU use never needs a GPU backend's
+# packages. GPU backends are built for one model (their plans need its heads) on one device and
+# dtype, and refuse there, at start-up, what they cannot run.
+_BACKENDS = {
+    "torch": "shared.model.attention:TorchAttention",
+    "triton": "shared.model.triton_attention:TritonAttention",
+    "flashinfer": "shared.model.flashinfer_attention:FlashInferAttention",
+}
 ATTENTION_BACKENDS = tuple(_BACKENDS)
 
 
-def get_attention_backend(name: str = "torch") -> AttentionBackend:
+def get_attention_backend(
+    name: str = "torch",
+    cfg: ModelConfig | None = None,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> AttentionBackend:
     try:
         module, cls = _BACKENDS[name].split(":")
     except KeyError:
         raise ValueError(
             f"unknown attention backend {name!r}; choose from {sorted(_BACKENDS)}"
         ) from None
-    return getattr(importlib.import_module(module), cls)()
+    try:
+        backend = getattr(importlib.import_module(module), cls)
+    except ImportError as exc:  # a GPU backend's package (Triton) is not installed
+        raise ValueError(f"the {name} attention backend cannot be loaded here: {exc}") from exc
+    return TorchAttention() if backend is TorchAttention else backend(cfg, device, dtype)

@@ -54,9 +54,12 @@ class FusedDecoder:
         cls, model: LlamaForCausalLM, kv_layers: list[tuple[torch.Tensor, ...]]
     ) -> FusedDecoder | None:
         """A fused decoder for this model once `pack_linears` packed it, or None where the
-        kernel does not apply (unpacked weights: not fp32 on CPU; no compiled kernel)."""
+        kernel does not apply (unpacked weights: not fp32 on CPU; a KV cache not in fp32,
+        which the kernel reads in place; no compiled kernel)."""
         linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
         if any(m.packed is None for m in linears):
+            return None
+        if any(t.dtype != torch.float32 for kv in kv_layers for t in kv):
             return None
         from kernels.cpu import load
 

@@ -113,8 +113,9 @@ def load_model(
     attention_backend: str = "torch",
 ) -> LlamaForCausalLM:
     cfg, tensors = _read_checkpoint(Path(path))
+    backend = get_attention_backend(attention_backend, cfg, device, dtype)  # on the real device
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, get_attention_backend(attention_backend))
+        model = LlamaForCausalLM(cfg, backend)
     model.materialize(device, dtype)
     params = dict(model.named_parameters())
     fused = fused_slices(cfg)

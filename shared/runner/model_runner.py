@@ -10,9 +10,10 @@ import torch
 from shared.core.sequence import Sequence
 from shared.core.tree import DraftTree
 from shared.kvcache.kv_cache import KVCache
-from shared.model.attention import SequenceSpan
+from shared.model.attention import SequenceSpan, TorchAttention
 from shared.model.fused import FUSED_MAX_ROWS, FusedDecoder
 from shared.model.llama import LlamaForCausalLM, pack_linears
+from shared.runner.cuda_graph import DecodeGraphs
 from shared.runner.logits import sampled_logits
 from shared.sampling.sampler import SampleOutput, Sampler, position_generator
 
@@ -31,15 +32,21 @@ class ModelRunner:
         model: LlamaForCausalLM,
         kv_cache: KVCache,
         eos_token_ids: frozenset[int] = frozenset(),
+        graphs: DecodeGraphs | None = None,
     ) -> None:
-        """`eos_token_ids`: what a request's min_tokens keeps from being sampled too early."""
+        """`eos_token_ids`: what a request's min_tokens keeps from being sampled too early.
+        `graphs`: CUDA graphs that decode steps replay (shared.runner.cuda_graph)."""
         pack_linears(model)  # a runner only infers
         self.model = model
         self.kv_cache = kv_cache
         self.eos_token_ids = eos_token_ids
         # Few rows go through the fused C++ decoder where it applies; the rest (prefill)
-        # through the model's torch path.
-        self.fused = FusedDecoder.build(model, kv_cache.layers)
+        # through the model's torch path. The decoder stands in for the torch attention
+        # backend only: another backend, once chosen, runs every step.
+        self.fused = None
+        if isinstance(model.layers[0].self_attn.backend, TorchAttention):
+            self.fused = FusedDecoder.build(model, kv_cache.layers)
+        self.graphs = graphs
         self.device = model.embed_tokens.weight.device
         self.sampler = Sampler()
         # Target features an EAGLE drafter needs: the outputs of these layers, and whether
@@ -62,11 +69,15 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         block_size = self.kv_cache.block_size
+        out = None
         if self.fused is not None and len(input_ids) <= FUSED_MAX_ROWS:
-            hidden, aux = self.fused.forward(ids, pos, spans, block_size, aux_layers)
-        else:
+            out = self.fused.forward(ids, pos, spans, block_size, aux_layers)
+        elif self.graphs is not None:
+            out = self.graphs.run(spans, ids, pos, aux_layers)  # None: not a decode step
+        if out is None:
             meta = self.model.layers[0].self_attn.backend.prepare(spans, block_size, self.device)
-            hidden, aux = self.model(ids, pos, self.kv_cache.layers, meta, aux_layers)
+            out = self.model(ids, pos, self.kv_cache.layers, meta, aux_layers)
+        hidden, aux = out
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows]), aux
 
