@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -66,4 +68,81 @@ def tiny_llama(path: Path, vocab: int, seed: int, hidden: int = 32, layers: int 
         for p in model.parameters():
             p.normal_(0, 0.5)  # peaky enough that drafts are sometimes right
     model.save_pretrained(path)
+    return str(path)
+
+
+# The draft layer of the published EAGLE heads for SmolLM2-135M (its target's hidden size
+# and vocabulary).
+SMOLLM_HEAD = {
+    "hidden_size": 576,
+    "intermediate_size": 256,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 8192,
+    "vocab_size": 49152,
+}
+
+
+def write_eagle_head(
+    path: Path,
+    eagle3: bool,
+    seed: int = 0,
+    shape: dict[str, Any] = SMOLLM_HEAD,
+    aux_layers: list[int] | None = None,
+) -> str:
+    """A head in the published EAGLE / EAGLE-3 layout, random weights: for SmolLM2-135M
+    by default, or for a target of `shape` (its hidden size and vocabulary); `aux_layers`:
+    the target layers an EAGLE-3 head reads, where the default ones do not fit."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    hidden, ffn, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    heads, kv_heads, head_dim = (
+        shape["num_attention_heads"],
+        shape["num_key_value_heads"],
+        shape["head_dim"],
+    )
+    draft_vocab = 4096
+    config = {
+        **shape,
+        "architectures": ["LlamaForCausalLMEagle3" if eagle3 else "LlamaForCausalLM"],
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": "float32",
+    }
+    if aux_layers is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layers}
+    in_dim = 2 * hidden if eagle3 else hidden
+    prefix = "midlayer." if eagle3 else "layers.0."
+    w = {
+        f"{prefix}self_attn.q_proj.weight": torch.randn(heads * head_dim, in_dim) * 0.05,
+        f"{prefix}self_attn.k_proj.weight": torch.randn(kv_heads * head_dim, in_dim) * 0.05,
+        f"{prefix}self_attn.v_proj.weight": torch.randn(kv_heads * head_dim, in_dim) * 0.05,
+        f"{prefix}self_attn.o_proj.weight": torch.randn(hidden, heads * head_dim) * 0.05,
+        f"{prefix}mlp.gate_proj.weight": torch.randn(ffn, hidden) * 0.05,
+        f"{prefix}mlp.up_proj.weight": torch.randn(ffn, hidden) * 0.05,
+        f"{prefix}mlp.down_proj.weight": torch.randn(hidden, ffn) * 0.05,
+        f"{prefix}post_attention_layernorm.weight": torch.ones(hidden),
+        f"{prefix}input_layernorm.weight": torch.ones(hidden),
+    }
+    if eagle3:
+        kept = torch.randperm(vocab)[:draft_vocab].sort().values
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[kept] = True
+        w |= {
+            "fc.weight": torch.randn(hidden, 3 * hidden) * 0.02,
+            f"{prefix}hidden_norm.weight": torch.ones(hidden),
+            "norm.weight": torch.ones(hidden),
+            "lm_head.weight": torch.randn(draft_vocab, hidden) * 0.05,
+            "d2t": kept - torch.arange(draft_vocab),
+            "t2d": t2d,
+        }
+        config["draft_vocab_size"] = draft_vocab
+        save_file(w, str(path / "model.safetensors"))
+    else:
+        w |= {"fc.weight": torch.randn(hidden, 2 * hidden) * 0.02, "fc.bias": torch.zeros(hidden)}
+        torch.save(w, path / "pytorch_model.bin")
+    (path / "config.json").write_text(json.dumps(config))
     return str(path)

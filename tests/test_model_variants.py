@@ -22,6 +22,10 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from shared.kvcache.kv_cache import KVCache
@@ -43,6 +47,8 @@ HF_CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
 }
 
 
@@ -354,7 +360,7 @@ def _hf_config_dict(**overrides: Any) -> dict[str, Any]:
     return cfg
 
 
-@pytest.mark.parametrize("arch", ["GPT2LMHeadModel", "MixtralForCausalLM", "Qwen3ForCausalLM"])
+@pytest.mark.parametrize("arch", ["GPT2LMHeadModel", "MixtralForCausalLM", "Qwen2MoeForCausalLM"])
 def test_unsupported_architecture_is_rejected(arch: str, tmp_path: Path) -> None:
     cfg = _hf_config_dict(architectures=[arch])
     with pytest.raises(ValueError, match=f"unsupported architecture '{arch}'"):

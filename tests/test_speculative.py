@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import GREEDY, PROMPTS, tiny_llama
+from helpers import GREEDY, PROMPTS, tiny_llama, write_eagle_head
 
 from shared.config import DEFAULT_MODEL_NAME
 from shared.core.tree import DraftTree
@@ -391,60 +391,6 @@ def test_token_map_restricts_an_eagle3_heads_vocabulary(
     drafter = engine.speculator.drafter
     assert set(drafter.vocab_ids.tolist()) <= set(keep)
     assert drafter.lm_rows.out_features == len(drafter.vocab_ids) < len(drafter.head.d2t)
-
-
-def write_eagle_head(path: Path, eagle3: bool, seed: int = 0) -> str:
-    """A head in the published EAGLE / EAGLE-3 layout for SmolLM2-135M, random weights."""
-    from safetensors.torch import save_file
-
-    torch.manual_seed(seed)
-    hidden, heads, kv_heads, head_dim, ffn, vocab = 576, 9, 3, 64, 256, 49152
-    draft_vocab = 4096
-    config = {
-        "architectures": ["LlamaForCausalLMEagle3" if eagle3 else "LlamaForCausalLM"],
-        "hidden_size": hidden,
-        "intermediate_size": ffn,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "num_hidden_layers": 1,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 100000.0,
-        "max_position_embeddings": 8192,
-        "vocab_size": vocab,
-        "torch_dtype": "float32",
-    }
-    in_dim = 2 * hidden if eagle3 else hidden
-    prefix = "midlayer." if eagle3 else "layers.0."
-    w = {
-        f"{prefix}self_attn.q_proj.weight": torch.randn(heads * head_dim, in_dim) * 0.05,
-        f"{prefix}self_attn.k_proj.weight": torch.randn(kv_heads * head_dim, in_dim) * 0.05,
-        f"{prefix}self_attn.v_proj.weight": torch.randn(kv_heads * head_dim, in_dim) * 0.05,
-        f"{prefix}self_attn.o_proj.weight": torch.randn(hidden, heads * head_dim) * 0.05,
-        f"{prefix}mlp.gate_proj.weight": torch.randn(ffn, hidden) * 0.05,
-        f"{prefix}mlp.up_proj.weight": torch.randn(ffn, hidden) * 0.05,
-        f"{prefix}mlp.down_proj.weight": torch.randn(hidden, ffn) * 0.05,
-        f"{prefix}post_attention_layernorm.weight": torch.ones(hidden),
-        f"{prefix}input_layernorm.weight": torch.ones(hidden),
-    }
-    if eagle3:
-        kept = torch.randperm(vocab)[:draft_vocab].sort().values
-        t2d = torch.zeros(vocab, dtype=torch.bool)
-        t2d[kept] = True
-        w |= {
-            "fc.weight": torch.randn(hidden, 3 * hidden) * 0.02,
-            f"{prefix}hidden_norm.weight": torch.ones(hidden),
-            "norm.weight": torch.ones(hidden),
-            "lm_head.weight": torch.randn(draft_vocab, hidden) * 0.05,
-            "d2t": kept - torch.arange(draft_vocab),
-            "t2d": t2d,
-        }
-        config["draft_vocab_size"] = draft_vocab
-        save_file(w, str(path / "model.safetensors"))
-    else:
-        w |= {"fc.weight": torch.randn(hidden, 2 * hidden) * 0.02, "fc.bias": torch.zeros(hidden)}
-        torch.save(w, path / "pytorch_model.bin")
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
 
 
 @pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])

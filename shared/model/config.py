@@ -7,7 +7,59 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+# Architectures whose attention RMS-normalises each query and key head before RoPE.
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Top-k routed experts (Qwen3-MoE): no shared expert; `sparse_layers` are the layers
+    whose MLP is the routed one (the others keep the dense `intermediate_size` MLP)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> MoEConfig:
+        # As transformers' Qwen3MoeDecoderLayer: every `decoder_sparse_step`-th layer,
+        # less `mlp_only_layers`.
+        step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+        # Hub configs say num_experts; transformers>=5 writes num_local_experts.
+        num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+        sparse = tuple(
+            i
+            for i in range(cfg["num_hidden_layers"])
+            if i not in dense and num_experts > 0 and (i + 1) % step == 0
+        )
+        return cls(
+            num_experts=num_experts,
+            top_k=cfg["num_experts_per_tok"],
+            intermediate_size=cfg["moe_intermediate_size"],
+            norm_topk_prob=cfg.get("norm_topk_prob", False),
+            sparse_layers=sparse,
+        )
+
+
+def _refuse_sliding_window(arch: str, cfg: dict[str, Any]) -> None:
+    """Sliding-window attention is not implemented: refuse configs that turn it on."""
+    sliding = cfg.get("use_sliding_window", False) or "sliding_attention" in (
+        cfg.get("layer_types") or ()
+    )
+    if sliding:
+        raise ValueError(
+            f"{arch} with sliding-window attention (use_sliding_window / layer_types) "
+            "is not supported; only full attention is"
+        )
 
 
 @dataclass(frozen=True)
@@ -30,6 +82,7 @@ class ModelConfig:
     mlp_bias: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    moe: MoEConfig | None = None  # routed experts (Qwen3-MoE); None: every MLP is dense
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -39,6 +92,7 @@ class ModelConfig:
                 f"unsupported architecture {arch!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        _refuse_sliding_window(arch, cfg)
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -68,6 +122,7 @@ class ModelConfig:
             mlp_bias=cfg.get("mlp_bias", False),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            moe=MoEConfig.from_hf(cfg) if arch == "Qwen3MoeForCausalLM" else None,
         )
 
     @classmethod
@@ -88,6 +143,15 @@ class ModelConfig:
             "rope_scaling": self.rope_scaling,
             "max_position_embeddings": self.max_position_embeddings,
         }
+
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm on queries and keys before RoPE (Qwen3's `q_norm`, `k_norm`).
+        Follows `architecture`, so a Llama-architecture copy of the config drops it."""
+        return self.architecture in QK_NORM_ARCHITECTURES
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     @property
     def kv_elements_per_token(self) -> int:

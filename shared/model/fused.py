@@ -54,8 +54,11 @@ class FusedDecoder:
         cls, model: LlamaForCausalLM, kv_layers: list[tuple[torch.Tensor, ...]]
     ) -> FusedDecoder | None:
         """A fused decoder for this model once `pack_linears` packed it, or None where the
-        kernel does not apply (unpacked weights: not fp32 on CPU; a KV cache not in fp32,
-        which the kernel reads in place; no compiled kernel)."""
+        kernel does not apply (layers other than plain Llama ones: Qwen3's q/k norms,
+        routed experts; unpacked weights: not fp32 on CPU; a KV cache not in fp32, which
+        the kernel reads in place; no compiled kernel)."""
+        if model.config.qk_norm or model.config.moe is not None:
+            return None  # decoder.cpp computes plain Llama layers only
         linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
         if any(m.packed is None for m in linears):
             return None

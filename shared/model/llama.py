@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM, Qwen3, Qwen3-MoE) over a paged
+KV cache. Qwen3 adds per-head q/k RMSNorms before RoPE; Qwen3-MoE also swaps some layers'
+MLP for routed experts (`shared/model/moe.py`).
 
 Tokens of all sequences in a step are flattened into one batch `[T]`; the
 attention metadata says which cache slots each sequence reads and writes.
@@ -15,6 +17,7 @@ from torch import nn
 from kernels.cpu import load as load_cpu_kernels
 from shared.model.attention import AttentionBackend, AttentionMetadata
 from shared.model.config import ModelConfig
+from shared.model.moe import MoE
 from shared.model.rope import apply_rope, rope_cos_sin
 
 
@@ -79,6 +82,8 @@ class Attention(nn.Module):
         qkv_out = self.q_size + 2 * self.kv_size
         self.qkv_proj = Linear(in_features or cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
 
     def rotated_qkv(
@@ -90,6 +95,9 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(
             -1, self.num_heads + self.num_kv_heads, self.head_dim
         )
+        if self.q_norm is not None:  # Qwen3: each head RMS-normed over D, before RoPE
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         return q, k, v
@@ -118,12 +126,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg)
 
     def forward(
         self,
@@ -142,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._tie_and_build_rope()

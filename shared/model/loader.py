@@ -54,13 +54,45 @@ def fused_slices(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
     }
 
 
-def copy_into(
-    params: dict[str, torch.Tensor],
-    fused: dict[str, tuple[str, int, int]],
-    name: str,
-    tensor: torch.Tensor,
-) -> None:
-    """Copy checkpoint tensor `name` into our parameter, the right rows of a fused one."""
+# One expert's projection as Hugging Face checkpoints store it, e.g.
+# layers.3.mlp.experts.5.up_proj.weight -> (our stacked parameter, is it gate_up's up half).
+EXPERT_PROJECTIONS = {
+    "gate_proj": ("gate_up_proj", False),
+    "up_proj": ("gate_up_proj", True),
+    "down_proj": ("down_proj", False),
+}
+
+
+def _expert_target(name: str, params: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor] | None:
+    """Checkpoint tensor `...mlp.experts.{e}.{proj}.weight` -> (our stacked parameter
+    `...mlp.experts.{gate_up_proj|down_proj}` [E, rows, cols], its rows for expert e);
+    None for any other name."""
+    parts = name.split(".")
+    if len(parts) < 4 or parts[-4] != "experts" or not parts[-3].isdigit():
+        return None
+    if parts[-2] not in EXPERT_PROJECTIONS or parts[-1] != "weight":
+        return None
+    stacked, second_half = EXPERT_PROJECTIONS[parts[-2]]
+    param = ".".join([*parts[:-3], stacked])
+    if param not in params or int(parts[-3]) >= len(params[param]):
+        raise ValueError(f"unexpected checkpoint tensor {name!r}")
+    target = params[param].data[int(parts[-3])]
+    if stacked == "gate_up_proj":  # [2I, H]: gate rows, then up rows
+        target = target.chunk(2)[second_half]
+    return param, target
+
+
+def expert_checkpoint_names(param: str, num_experts: int) -> list[str]:
+    """The per-expert checkpoint tensors that fill stacked expert parameter `param`."""
+    prefix, stacked = param.rsplit(".", 1)
+    projs = [p for p, (target, _) in EXPERT_PROJECTIONS.items() if target == stacked]
+    return [f"{prefix}.{e}.{p}.weight" for e in range(num_experts) for p in projs]
+
+
+def _fused_target(
+    name: str, params: dict[str, torch.Tensor], fused: dict[str, tuple[str, int, int]]
+) -> tuple[str, torch.Tensor]:
+    """Checkpoint tensor `name` -> (our parameter, the rows it fills: all, or a fused slice)."""
     parts = name.split(".")
     param, rows = name, None
     if len(parts) >= 2 and parts[-2] in fused:
@@ -69,8 +101,18 @@ def copy_into(
     if param not in params:
         raise ValueError(f"unexpected checkpoint tensor {name!r}")
     target = params[param].data
-    if rows is not None:
-        target = target[start : start + rows]
+    return param, target if rows is None else target[start : start + rows]
+
+
+def copy_into(
+    params: dict[str, torch.Tensor],
+    fused: dict[str, tuple[str, int, int]],
+    name: str,
+    tensor: torch.Tensor,
+) -> None:
+    """Copy checkpoint tensor `name` into our parameter, the right rows of a fused one
+    (or one expert's rows of the stacked expert weights)."""
+    param, target = _expert_target(name, params) or _fused_target(name, params, fused)
     if tensor.shape != target.shape:
         # copy_ would broadcast or fill only part of the parameter, silently.
         raise ValueError(
@@ -106,6 +148,16 @@ def _is_mtp_layer(name: str, cfg: ModelConfig) -> bool:
     return parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= cfg.num_layers
 
 
+def _wanted(
+    param: str, cfg: ModelConfig, fused: dict[str, tuple[str, int, int]], seen: set[str]
+) -> list[str]:
+    """The checkpoint tensors that fill `param`: stacked expert weights come either as
+    such (transformers' own names) or one tensor per expert and projection (the Hub's)."""
+    if cfg.moe is not None and ".experts." in param and param not in seen:
+        return expert_checkpoint_names(param, cfg.moe.num_experts)
+    return checkpoint_names(param, fused)
+
+
 def load_model(
     path: str | Path,
     device: torch.device,
@@ -128,7 +180,7 @@ def load_model(
             continue  # the checkpoint's MTP layers: NEXTN's drafter reads them
         copy_into(params, fused, name, tensor)
         seen.add(name)
-    missing = [c for n in params for c in checkpoint_names(n, fused) if c not in seen]
+    missing = [c for n in params for c in _wanted(n, cfg, fused, seen) if c not in seen]
     if missing:
         more = " ..." if len(missing) > 5 else ""
         raise ValueError(f"checkpoint lacks weights for {missing[:5]}{more}")
