@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from shared.core.sequence import Sequence
+from shared.runner.logits import processed_logits
 from shared.sampling.params import SamplingParams
 from shared.sampling.sampler import (
     Sampler,
@@ -327,3 +329,13 @@ def test_defaults_and_boundaries_are_valid() -> None:
 def test_validate_rejects(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         P(**{field: value}).validate()
+
+
+def test_min_tokens_on_a_model_without_eos_leaves_the_logits() -> None:
+    """Nothing can end the output early, so there is nothing to mask (was a 500: an empty
+    float index tensor)."""
+    seq = Sequence("r", [1, 2], SamplingParams(max_tokens=4, min_tokens=2))
+    logits = torch.randn(1, 10)
+    assert torch.equal(processed_logits(logits, seq, [[]], frozenset()), logits)
+    masked = processed_logits(logits, seq, [[]], frozenset({3}))
+    assert masked[0, 3] == float("-inf") and torch.equal(masked[0, :3], logits[0, :3])

@@ -28,8 +28,9 @@ def processed_logits(
         logits = logits.index_add(1, ids, bias.expand(len(logits), -1))
     done = len(seq.output_ids)
     early = [i for i, path in enumerate(drafted) if done + len(path) < p.min_tokens]
-    if early:  # too soon to end: neither EOS nor a stop token
-        enders = torch.tensor(sorted(eos_token_ids | set(p.stop_token_ids)), device=logits.device)
+    ender_ids = sorted(eos_token_ids | set(p.stop_token_ids))  # none: a model without EOS
+    if early and ender_ids:  # too soon to end: neither EOS nor a stop token
+        enders = torch.tensor(ender_ids, dtype=torch.long, device=logits.device)
         rows = torch.tensor(early, device=logits.device)
         never = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
         logits = logits.index_put((rows[:, None], enders[None, :]), never)
