@@ -378,18 +378,20 @@ def _load(url: str, clients: int, seconds: float, timeout: float) -> list[tuple[
 
 
 def test_overload_is_refused_fast_and_goodput_recovers(deployment: Deployment) -> None:
-    """3x the gateway's capacity, clients that give up after 5 s, for 20 s; then half of
-    it: while overloaded only 200/429/503 (or the client's own timeout), afterwards every
-    request succeeds, the first within 5 s. (How many are served while overloaded depends
-    on the machine: on a busy CI run none finished within 5 s once.)"""
+    """3x the gateway's capacity, clients that give up after 5 s, for 20 s, between two
+    windows of half of it: while overloaded only 200/429/503 (or the client's own
+    timeout); afterwards every request succeeds and at least half as many complete as in
+    the window before (abandoned requests leave no backlog). Compared within the test
+    because the machine's speed varies: on a busy CI run one short chat took 5 s."""
     d = deployment
+    before = _load(d.url, CAPACITY // 2, 10, 30.0)
     overload = _load(d.url, 3 * CAPACITY, 20, 5.0)
     statuses = {status for status, _ in overload}
     assert statuses <= {"200", "429", "503", "timeout"}, statuses
     assert "429" in statuses, statuses  # refused fast, not queued
     after = _load(d.url, CAPACITY // 2, 10, 30.0)
-    assert {status for status, _ in after} == {"200"}, after
-    assert min(when for _, when in after) < 5, after
+    assert {status for status, _ in before + after} == {"200"}, (before, after)
+    assert 2 * len(after) >= len(before), (before, after)
     assert_nothing_held(d)
 
 
