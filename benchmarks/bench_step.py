@@ -35,7 +35,8 @@ from torch import nn
 from shared.engine.engine import EngineConfig, LLMEngine
 from shared.model.attention import SequenceSpan
 from shared.model.fetch import fetch_default_model
-from shared.model.llama import Linear, LlamaForCausalLM
+from shared.model.layers import Linear
+from shared.model.llama import LlamaForCausalLM
 from shared.sampling.params import SamplingParams
 from shared.tokenizer import Tokenizer
 

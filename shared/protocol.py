@@ -125,6 +125,18 @@ class ErrorReply(Message, kw_only=True):
     status: int = 500
 
 
+class ImageData(Message, kw_only=True):
+    """An image resized for the encoder (shared.multimodal.preprocess): uint8 pixels
+    [3, height, width] row-major; the encoder rescales and normalizes them."""
+
+    pixels: bytes
+    height: Count
+    width: Count
+    mean: list[float]
+    std: list[float]
+    rescale: float
+
+
 class TokenizeRequest(Message, kw_only=True):
     request_id: str
     messages: list[dict[str, Any]] | None = None  # chat: rendered with the chat template
@@ -134,13 +146,18 @@ class TokenizeRequest(Message, kw_only=True):
     stop: list[str] | None = None  # the tokenizer instance keeps them for detokenizing
     tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, for the template
     tool_parser: str | None = None  # the call format, for templates that do not take tools
+    # special tokens whose text the output keeps (its parsers read them); others are dropped
+    keep_special: list[str] | None = None
     output_subject: str = ""  # the gateway's: its requests end if it goes away
+    # Encoded images (PNG, JPEG, WebP), one per image placeholder in `messages`, in order.
+    images: list[bytes] | None = None
 
 
 class TokenizeReply(Message, kw_only=True):
     prompt_ids: list[TokenId]
     tokenizer_id: str  # detokenizes this request's output (it holds its stop strings)
     prompt_text: str  # the prompt as the model sees it (completions echo it)
+    images: list[ImageData] | None = None  # the prompt's images, in its image tokens' order
 
 
 class EncodeRequest(Message, kw_only=True):
@@ -177,6 +194,7 @@ class PrefillRequest(Message, kw_only=True):
     request_id: str
     prompt_ids: list[TokenId]
     params: SamplingParams
+    images: list[ImageData] | None = None
 
 
 class PrefillReply(Message, kw_only=True):
@@ -204,6 +222,9 @@ class AdmitRequest(Message, kw_only=True):
     detok_subject: str  # where TokenBatch messages go
     output_subject: str  # passed along for the detokenizer's TextDelta messages
     attempt: Count = 0  # how many times the request moved to another decode worker
+    # The prompt's images: their digests key decode's prefix cache, and a prompt whose K/V
+    # did not arrive is computed with them.
+    images: list[ImageData] | None = None
 
 
 class Admitted(Message, kw_only=True):

@@ -8,7 +8,9 @@ transformers renders them and services need not import transformers.
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Collection
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -100,6 +102,12 @@ class Tokenizer:
         """The `tokenizers` tokenizer underneath."""
         return self._tok
 
+    @functools.cached_property
+    def special_tokens(self) -> dict[int, str]:
+        """Id -> text of the special tokens (those `skip_special_tokens` drops)."""
+        added = self._tok.get_added_tokens_decoder()
+        return {i: token.content for i, token in added.items() if token.special}
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
@@ -141,13 +149,23 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas: `tokenizers`' DecodeStream,
     primed with the prompt's last tokens so that the first word is spaced as in the whole
-    text; a partial UTF-8 character waits for the token that completes it."""
+    text; a partial UTF-8 character waits for the token that completes it. Special tokens
+    are dropped, except those whose text is in `keep` (markers an output parser reads)."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int] | None = None,
+        keep: Collection[str] = (),
+    ) -> None:
         self.backend = tokenizer.backend
-        self.stream = DecodeStream(ids=list(prompt_ids or [])[-6:], skip_special_tokens=True)
+        special = tokenizer.special_tokens
+        self.dropped = frozenset(i for i, text in special.items() if text not in keep)
+        kept = len(self.dropped) < len(special)
+        self.stream = DecodeStream(ids=list(prompt_ids or [])[-6:], skip_special_tokens=not kept)
 
     def add(self, token_ids: list[int]) -> str:
+        token_ids = [i for i in token_ids if i not in self.dropped]
         if not token_ids:
             return ""
         return self.stream.step(self.backend, token_ids) or ""
@@ -161,9 +179,14 @@ class TextStream:
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str] | None = None
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
+        stop: list[str] | None = None,
+        keep_special: list[str] | None = None,
     ) -> None:
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+        """`keep_special`: special tokens whose text the output keeps (IncrementalDetokenizer)."""
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, keep_special or [])
         self.stop = [s for s in (stop or []) if s]
         self.text = ""  # everything decoded so far
         self.sent = 0  # chars of self.text already emitted

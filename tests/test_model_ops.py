@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu import load as load_cpu_kernels
-from shared.model.llama import Linear, pack_linears
+from shared.model.layers import Linear, pack_linears
 from shared.model.rope import apply_rope, rope_cos_sin
 
 pytestmark = pytest.mark.unit

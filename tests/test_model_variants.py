@@ -26,6 +26,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 from shared.kvcache.kv_cache import KVCache
@@ -49,6 +51,7 @@ HF_CLASSES = {
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
 }
 
 

@@ -143,9 +143,15 @@ def test_message_roles_and_content_parts(client: openai.OpenAI) -> None:
     ]
     out = client.chat.completions.create(messages=messages, max_tokens=12, temperature=0, model="")
     assert out.choices[0].message.content
-    with pytest.raises(openai.BadRequestError, match="text"):
+    with pytest.raises(openai.BadRequestError, match="not fetched"):
         image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
         client.chat.completions.create(messages=[{"role": "user", "content": [image]}], model="")
+    with pytest.raises(openai.BadRequestError, match="no vision encoder"):  # a text-only model
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+        client.chat.completions.create(messages=[{"role": "user", "content": [image]}], model="")
+    with pytest.raises(openai.BadRequestError, match="content parts"):
+        audio = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
+        client.chat.completions.create(messages=[{"role": "user", "content": [audio]}], model="")
 
 
 def test_sampling_fields(client: openai.OpenAI) -> None:

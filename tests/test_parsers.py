@@ -11,7 +11,12 @@ import pytest
 
 from shared.parsers import held_back
 from shared.parsers.reasoning import REASONING_PARSERS, make_reasoning_parser
-from shared.parsers.tools import TOOL_PARSERS, ToolCall, make_tool_parser
+from shared.parsers.tools import (
+    TOOL_PARSERS,
+    ToolCall,
+    make_tool_parser,
+    tool_parser_for_template,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -147,6 +152,180 @@ TOOL_CASES: list[tuple[str, str, str, Calls]] = [
     ),
 ]
 
+
+def _coder(name: str, *parameters: tuple[str, str]) -> str:
+    """A qwen3_coder call block with each parameter's value written as given."""
+    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in parameters)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+# The request's tools: qwen3_coder types parameter values by them (the others ignore them).
+TYPED_PARAMETERS: dict[str, Any] = {
+    "text": {"type": "string"},
+    "count": {"type": "integer"},
+    "ratio": {"type": "number"},
+    "flag": {"type": "boolean"},
+    "options": {"type": "object"},
+    "items": {"type": "array", "items": {"type": "string"}},
+    "maybe": {"type": ["string", "null"]},
+    "either": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+    "untyped": {"description": "no type given"},
+}
+REQUEST_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "typed",
+            "parameters": {"type": "object", "properties": TYPED_PARAMETERS},
+        },
+    },
+]
+CODER_WEATHER = _coder("get_weather", ("city", "Paris"), ("days", "3"))
+
+TOOL_CASES += [
+    ("qwen3_coder", CODER_WEATHER, "", [("get_weather", {"city": "Paris", "days": 3})]),
+    (
+        "qwen3_coder",
+        f"Let me check.\n\n{CODER_WEATHER}\n{_coder('get_weather', ('city', 'Zürich ❄'))}\n",
+        "Let me check.\n\n",
+        [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Zürich ❄"})],
+    ),
+    (
+        "qwen3_coder",
+        _coder(
+            "typed",
+            ("text", "42"),
+            ("count", "7"),
+            ("ratio", "7"),
+            ("flag", "True"),
+            ("options", '{"a": [1, null]}'),
+            ("items", '["x", "y"]'),
+            ("maybe", "null"),
+            ("either", "5"),
+            ("untyped", "[1]"),
+        ),
+        "",
+        [
+            (
+                "typed",
+                {
+                    "text": "42",
+                    "count": 7,
+                    "ratio": 7,
+                    "flag": True,
+                    "options": {"a": [1, None]},
+                    "items": ["x", "y"],
+                    "maybe": None,
+                    "either": 5,
+                    "untyped": "[1]",
+                },
+            )
+        ],
+    ),
+    (  # values that are not of their type stay text; text keeps all but the layout newlines
+        "qwen3_coder",
+        _coder(
+            "typed",
+            ("text", '\n"quoted"\n  two lines\n'),
+            ("count", "three"),
+            ("ratio", "NaN"),
+            ("flag", "yes"),
+            ("options", "{not json}"),
+            ("maybe", "7"),
+            ("either", "2.5"),
+        ),
+        "",
+        [
+            (
+                "typed",
+                {
+                    "text": '\n"quoted"\n  two lines\n',
+                    "count": "three",
+                    "ratio": "NaN",
+                    "flag": "yes",
+                    "options": "{not json}",
+                    "maybe": "7",
+                    "either": "2.5",
+                },
+            )
+        ],
+    ),
+    (  # a function the request does not offer: its values stay text
+        "qwen3_coder",
+        _coder("unknown", ("n", "1")),
+        "",
+        [("unknown", {"n": "1"})],
+    ),
+    (  # as vLLM and SGLang read it: a parameter without its closing tag ends at the next
+        "qwen3_coder",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n<parameter=days>\n2\n"
+        "</function>\n</tool_call>",
+        "",
+        [("get_weather", {"city": "Paris", "days": 2})],
+    ),
+    ("qwen3_coder", _coder("no_args"), "", [("no_args", {})]),
+    (
+        "qwen3_coder",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</tool_call>"
+        + CODER_WEATHER,
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</tool_call>",
+        [("get_weather", {"city": "Paris", "days": 3})],
+    ),
+    (
+        "qwen3_coder",
+        "Sure.<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
+        "Sure.<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
+        [],
+    ),
+    (
+        "qwen3_coder",
+        CODER_WEATHER + "\n<tool_call>\n<function=get_weather>\n</function>\n",
+        "<tool_call>\n<function=get_weather>\n</function>\n",
+        [("get_weather", {"city": "Paris", "days": 3})],
+    ),
+    (
+        "qwen3_coder",
+        "Write <function=f> and <parameter=x> as text, or <tool",
+        "Write <function=f> and <parameter=x> as text, or <tool",
+        [],
+    ),
+    (  # no name: no call
+        "qwen3_coder",
+        "<tool_call>\n<function= >\n</function>\n</tool_call>",
+        "<tool_call>\n<function= >\n</function>\n</tool_call>",
+        [],
+    ),
+    (
+        "mistral",
+        'Sure.[TOOL_CALLS]a[CALL_ID]Ab3dE6gH9[ARGS]{"s": "ü {x}"}[TOOL_CALLS]b[ARGS]{"n": [1]}',
+        "Sure.",
+        [("a", {"s": "ü {x}"}), ("b", {"n": [1]})],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS]a[ARGS]{"x": }',
+        '[TOOL_CALLS]a[ARGS]{"x": }',
+        [],
+    ),
+    ("mistral", "[TOOL_CALLS]a[ARGS][1, 2]", "[TOOL_CALLS]a[ARGS][1, 2]", []),
+    (
+        "mistral",
+        '[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]b[ARGS]{"y": ',
+        '[TOOL_CALLS]b[ARGS]{"y": ',
+        [("a", {})],
+    ),
+]
 # (parser, output text, expected reasoning, expected content)
 REASONING_CASES: list[tuple[str, str, str | None, str]] = [
     ("deepseek_r1", "Let me think.\n</think>\n\nThe answer.", "Let me think.\n", "The answer."),
@@ -166,6 +345,50 @@ REASONING_CASES: list[tuple[str, str, str | None, str]] = [
 ]
 
 
+QWEN3_ASSISTANT = "<|im_start|>assistant\n"
+# (parser, prompt text, output text, expected reasoning, expected content): where the
+# prompt leaves the output, in or out of a thinking section.
+PROMPTED_REASONING_CASES: list[tuple[str, str, str, str | None, str]] = [
+    # Qwen3 "thinking" templates open the section in the prompt.
+    ("qwen3", QWEN3_ASSISTANT + "<think>\n", "plan\n</think>\n\nAnswer", "plan\n", "Answer"),
+    ("qwen3", QWEN3_ASSISTANT + "<think>\n", "still thinking", "still thinking", ""),
+    ("qwen3", QWEN3_ASSISTANT + "<think>\n", "<think>again</think>ok", "again", "ok"),
+    # enable_thinking=false: an empty section in the prompt, so only the answer is left.
+    ("qwen3", QWEN3_ASSISTANT + "<think>\n\n</think>\n\n", "Answer", None, "Answer"),
+    (
+        "qwen3",
+        QWEN3_ASSISTANT + "<think>\n\n</think>\n\n",
+        "<think>x</think>y",
+        None,
+        "<think>x</think>y",
+    ),
+    (
+        "deepseek_r1",
+        "<｜Assistant｜></think>",
+        "Not reasoning</think>",
+        None,
+        "Not reasoning</think>",
+    ),
+    # Thinking on, the model opens the section: history does not matter, only the end.
+    ("qwen3", "<think>a</think>b<|im_end|>\n" + QWEN3_ASSISTANT, "<think>c</think>d", "c", "d"),
+    ("qwen3", "<think>a" + QWEN3_ASSISTANT, "plain", None, "plain"),
+    ("deepseek_r1", QWEN3_ASSISTANT, "hmm</think>ok", "hmm", "ok"),
+    # Mistral: reasoning is asked for in the system prompt, which shows the tags.
+    (
+        "mistral",
+        "[SYSTEM_PROMPT]Think in [THINK]...[/THINK].[/SYSTEM_PROMPT][INST]Hi[/INST]",
+        "[THINK]plan[/THINK]answer",
+        "plan",
+        "answer",
+    ),
+    ("mistral", "[INST]Hi[/INST]", "answer", None, "answer"),
+    ("mistral", "[INST]Hi[/INST][THINK]", "plan[/THINK]answer", "plan", "answer"),
+]
+ALL_REASONING_CASES = [
+    (p, "", t, r, c) for p, t, r, c in REASONING_CASES
+] + PROMPTED_REASONING_CASES
+
+
 def _calls(calls: list[ToolCall]) -> Calls:
     return [(call.name, json.loads(call.arguments)) for call in calls]
 
@@ -183,7 +406,7 @@ def _splits(text: str) -> list[list[str]]:
 
 @pytest.mark.parametrize(("parser_name", "text", "content", "calls"), TOOL_CASES)
 def test_tool_parse(parser_name: str, text: str, content: str, calls: Calls) -> None:
-    got_content, got_calls = make_tool_parser(parser_name).parse(text)
+    got_content, got_calls = make_tool_parser(parser_name, REQUEST_TOOLS).parse(text)
     assert got_content == content
     assert _calls(got_calls) == calls
     for call in got_calls:  # arguments are re-serialized, unicode kept as is
@@ -194,7 +417,7 @@ def test_tool_parse(parser_name: str, text: str, content: str, calls: Calls) -> 
 def test_tool_stream_agrees_with_parse(
     parser_name: str, text: str, content: str, calls: Calls
 ) -> None:
-    parser = make_tool_parser(parser_name)
+    parser = make_tool_parser(parser_name, REQUEST_TOOLS)
     for chunks in _splits(text):
         stream = parser.stream()
         streamed_content, streamed_calls = "", []
@@ -234,6 +457,57 @@ def test_json_calls_stream_as_each_completes(parser_name: str, first: str, secon
     assert [call.name for call in stream.feed(second[:-1])[1]] == []
     assert [call.name for call in stream.feed(second[-1])[1]] == ["b"]
     assert stream.finish() == ("", [])
+
+
+def test_qwen3_coder_calls_stream_as_each_block_closes() -> None:
+    stream = make_tool_parser("qwen3_coder", REQUEST_TOOLS).stream()
+    assert stream.feed("Checking.\n<tool_") == ("Checking.\n", [])
+    content, calls = stream.feed(CODER_WEATHER.removeprefix("<tool_")[:-1])
+    assert (content, calls) == ("", [])  # the block is not closed yet
+    content, calls = stream.feed(">\n<tool_call>\n<function=typed>\n<parameter=count>\n1")
+    assert content == "" and _calls(calls) == [("get_weather", {"city": "Paris", "days": 3})]
+    content, calls = stream.feed("\n</parameter>\n</function>\n</tool_call>")
+    assert content == "" and _calls(calls) == [("typed", {"count": 1})]
+    assert stream.finish() == ("", [])
+
+
+def test_qwen3_coder_types_values_only_by_the_request_tools() -> None:
+    _, [call] = make_tool_parser("qwen3_coder").parse(CODER_WEATHER)
+    assert json.loads(call.arguments) == {"city": "Paris", "days": "3"}  # no schema: text
+    parser = make_tool_parser("hermes").for_request(REQUEST_TOOLS)
+    assert parser.name == "hermes" and parser.tools == REQUEST_TOOLS
+    _, [call] = make_tool_parser("qwen3_coder").for_request(REQUEST_TOOLS).parse(CODER_WEATHER)
+    assert json.loads(call.arguments) == {"city": "Paris", "days": 3}
+
+
+def test_mistral_call_ids() -> None:
+    # Mistral's templates take only 9-character alphanumeric ids; the model's own are kept.
+    text = "[TOOL_CALLS]a[CALL_ID]Ab3dE6gH9[ARGS]{}[TOOL_CALLS]b[ARGS]{}"
+    _, calls = make_tool_parser("mistral").parse(text)
+    assert calls[0].id == "Ab3dE6gH9" and re.fullmatch(r"[A-Za-z0-9]{9}", calls[1].id)
+    _, calls = make_tool_parser("mistral").parse('[TOOL_CALLS][{"name": "a"}, {"name": "b"}]')
+    assert all(re.fullmatch(r"[A-Za-z0-9]{9}", call.id) for call in calls)
+    assert calls[0].id != calls[1].id
+
+
+@pytest.mark.parametrize(
+    ("template", "parser_name", "named"),
+    [
+        # Qwen3-Coder's template: XML calls inside <tool_call>, so not hermes.
+        (
+            "{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}"
+            "{{- '<parameter=' + args_name + '>\\n' }}",
+            "qwen3_coder",
+            True,
+        ),
+        ("<tool_call>\n{{ tool_call | tojson }}\n</tool_call>", "hermes", True),
+        ("<function=name>{...}</function>", "hermes", False),  # no <parameter=: not Qwen3-Coder
+        ("[TOOL_CALLS]", "mistral", True),
+        (None, "hermes", False),
+    ],
+)
+def test_tool_parser_for_template(template: str | None, parser_name: str, named: bool) -> None:
+    assert tool_parser_for_template(template) == (parser_name, named)
 
 
 def test_stream_content_before_marker_is_not_held_longer_than_needed() -> None:
@@ -282,15 +556,20 @@ OPENAI_CALLS = [
 ]
 
 
-@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral", "qwen3_coder"])
 def test_render_calls_parses_back(parser_name: str) -> None:
-    parser = make_tool_parser(parser_name)
+    parser = make_tool_parser(parser_name, REQUEST_TOOLS)
     content, calls = parser.parse(parser.render_calls(OPENAI_CALLS))
     assert content == ""
     assert _calls(calls) == [("get_weather", ARGS), ("get_time", {})]
 
 
-CALL_MARKERS = {"hermes": "<tool_call>", "llama3_json": '{"name": ', "mistral": "[TOOL_CALLS]"}
+CALL_MARKERS = {
+    "hermes": "<tool_call>",
+    "llama3_json": '{"name": ',
+    "mistral": "[TOOL_CALLS]",
+    "qwen3_coder": "<function=",
+}
 
 
 @pytest.mark.parametrize("parser_name", sorted(CALL_MARKERS))
@@ -315,18 +594,24 @@ def test_unknown_names_raise() -> None:
         make_reasoning_parser("nope")
 
 
-@pytest.mark.parametrize(("parser_name", "text", "reasoning", "content"), REASONING_CASES)
-def test_reasoning_parse(parser_name: str, text: str, reasoning: str | None, content: str) -> None:
-    assert make_reasoning_parser(parser_name).parse(text) == (reasoning, content)
+@pytest.mark.parametrize(
+    ("parser_name", "prompt", "text", "reasoning", "content"), ALL_REASONING_CASES
+)
+def test_reasoning_parse(
+    parser_name: str, prompt: str, text: str, reasoning: str | None, content: str
+) -> None:
+    assert make_reasoning_parser(parser_name).parse(text, prompt) == (reasoning, content)
 
 
-@pytest.mark.parametrize(("parser_name", "text", "reasoning", "content"), REASONING_CASES)
+@pytest.mark.parametrize(
+    ("parser_name", "prompt", "text", "reasoning", "content"), ALL_REASONING_CASES
+)
 def test_reasoning_stream_agrees_with_parse(
-    parser_name: str, text: str, reasoning: str | None, content: str
+    parser_name: str, prompt: str, text: str, reasoning: str | None, content: str
 ) -> None:
     parser = make_reasoning_parser(parser_name)
     for chunks in _splits(text):
-        stream = parser.stream()
+        stream = parser.stream(prompt)
         deltas = [stream.feed(chunk) for chunk in chunks] + [stream.finish()]
         streamed_reasoning = "".join(r for r, _ in deltas) or None
         streamed_content = "".join(c for _, c in deltas)

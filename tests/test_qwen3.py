@@ -186,6 +186,14 @@ def family(
     variant = FAMILIES[name]
     variant = Variant(variant.family, {**variant.config, "vocab_size": 49152})
     hf, path = build_hf(variant, tmp_path_factory.mktemp(name), seed=7)
+    return name, path, *chat_reference(hf, path, smollm_dir)
+
+
+def chat_reference(
+    hf: torch.nn.Module, path: Path, smollm_dir: Path
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Give the checkpoint at `path` SmolLM2's tokenizer: (the test prompts as chat prompt
+    ids, transformers' greedy tokens for each)."""
     for f in TOKENIZER_FILES:
         shutil.copy(smollm_dir / f, path / f)
     tok = Tokenizer(path)
@@ -197,7 +205,7 @@ def family(
             )[0, len(ids) :].tolist()
             for ids in prompts
         ]
-    return name, path, prompts, ref
+    return prompts, ref
 
 
 def engine_for(path: Path, spec: SpeculativeConfig | None = None, **cfg: object) -> LLMEngine:

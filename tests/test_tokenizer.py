@@ -175,6 +175,17 @@ def test_incremental_detokenization_in_chunks_and_special_tokens(tok: Tokenizer)
     assert "".join(deltas) == MULTIBYTE_TEXT  # the EOS token adds no text
 
 
+def test_special_tokens_a_parser_reads_are_kept_and_others_dropped(tok: Tokenizer) -> None:
+    """As Mistral's [TOOL_CALLS] or [THINK]: special tokens named in `keep` stay in the text
+    (a parser reads them), every other special token is still dropped."""
+    start, end = "<|im_start|>", "<|im_end|>"
+    assert {start, end} <= set(tok.special_tokens.values())
+    ids = tok.encode(f"Hi{start}there{end} you") + [tok.eos_token_id]
+    for keep, text in (([], "Hithere you"), ([start], f"Hi{start}there you")):
+        stream = TextStream(tok, tok.encode("Say"), keep_special=keep)
+        assert "".join(stream.push([i]) for i in ids) + stream.flush() == text
+
+
 # --- stop strings -----------------------------------------------------------------------------
 
 

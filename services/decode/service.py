@@ -29,6 +29,7 @@ from shared.engine.engine import EngineConfig, FirstToken, LLMEngine, TokenOutpu
 from shared.kvcache.exchange import KVExchange, kv_description, model_fingerprint
 from shared.model.config import ModelConfig
 from shared.model.fetch import resolve_model
+from shared.multimodal.wire import images_from_wire
 from shared.protocol import (
     ABORT,
     Abort,
@@ -160,6 +161,7 @@ class DecodeService(EngineService):
             req.params,
             RemotePrefix(pre.kv_keys, len(req.prompt_ids)),
             FirstToken(pre.first_token, pre.logprob, pre.top_logprobs),
+            images_from_wire(req.images),
         )
         task = asyncio.create_task(self._forward(req, stream))
         self.streams[req.request_id] = task

@@ -30,6 +30,7 @@ from services.gateway.respond import (
 )
 from services.gateway.schema import ChatCompletionRequest, NamedToolChoice
 from shared.core.spec_stats import SpecStats
+from shared.multimodal.data_url import image_bytes
 from shared.parsers.reasoning import ReasoningParser
 from shared.parsers.tools import ToolCall, ToolParser
 from shared.protocol import TextDelta, TokenizeRequest
@@ -51,14 +52,18 @@ class ChatPlan:
         self.reasoning_parser = reasoning_parser
         choice = req.tool_choice or "auto"
         use_tools = bool(req.tools) and choice != "none"
-        self.tool_parser = tool_parser if use_tools else None
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        self.tool_parser = tool_parser.for_request(tools) if use_tools else None
         self.grammar = req.grammar()
+        try:
+            self.images = [image_bytes(url) for m in req.messages for url in m.image_urls()]
+        except ValueError as exc:
+            raise APIError(400, str(exc), "messages") from exc
         if self.tool_parser is not None and choice != "auto":
             if self.grammar is not None:
                 message = "a forced tool call cannot also follow response_format, regex or ebnf"
                 raise APIError(400, message, "tool_choice")
             name = choice.function.name if isinstance(choice, NamedToolChoice) else None
-            tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
             self.grammar = self.tool_parser.call_grammar(tools, name, req.parallel_tool_calls)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -78,18 +83,31 @@ class ChatPlan:
             stop=stop,
             tools=tools if self.tool_parser else None,
             tool_parser=self.tool_parser.name if self.tool_parser else None,
+            keep_special=self.parser_markers(),
+            images=self.images or None,
         )
 
-    def choice(self, index: int) -> ChatChoice:
-        return ChatChoice(index, self)
+    def parser_markers(self) -> list[str]:
+        """The markers this request's parsers read (kept in its output text where they are
+        special tokens, as Mistral's [TOOL_CALLS] and [THINK] are)."""
+        markers = list(self.tool_parser.markers) if self.tool_parser else []
+        if self.reasoning_parser is not None:
+            markers += [self.reasoning_parser.start_tag, self.reasoning_parser.end_tag]
+        return markers
+
+    def choice(self, index: int, prompt_text: str) -> ChatChoice:
+        """Choice `index`, whose output continues `prompt_text` (the rendered prompt)."""
+        return ChatChoice(index, self, prompt_text)
 
 
 class ChatChoice:
     """One choice's output, delta by delta."""
 
-    def __init__(self, index: int, plan: ChatPlan) -> None:
+    def __init__(self, index: int, plan: ChatPlan, prompt_text: str) -> None:
         self.index = index
-        self.reasoning = plan.reasoning_parser.stream() if plan.reasoning_parser else None
+        # The prompt tells whether the template opened or closed a thinking section.
+        reasoning = plan.reasoning_parser
+        self.reasoning = reasoning.stream(prompt_text) if reasoning else None
         self.tools = plan.tool_parser.stream() if plan.tool_parser else None
         self.parallel_calls = plan.req.parallel_tool_calls
         self.calls: list[ToolCall] = []
@@ -182,7 +200,10 @@ def chat_routes(
         generation = await start(
             cluster, model_name, "/v1/chat/completions", req.model, request_id, [choices]
         )
-        outputs = {t.request_id: plan.choice(i) for i, (t, _) in enumerate(choices)}
+        outputs = {
+            t.request_id: plan.choice(i, generation.placements[t.request_id].prompt_text)
+            for i, (t, _) in enumerate(choices)
+        }
         head = {"id": request_id, "created": int(time.time()), "model": model_name}
 
         async def collect() -> dict[str, Any]:

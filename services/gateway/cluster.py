@@ -30,6 +30,7 @@ from shared.protocol import (
     AdmitRequest,
     Admitted,
     Heartbeat,
+    ImageData,
     PrefillReply,
     PrefillRequest,
     ResumeReply,
@@ -87,6 +88,7 @@ class Resumable:
     params: SamplingParams  # max_tokens resolved
     tokenizer_id: str
     attempt: int = 0  # times it moved
+    images: list[ImageData] | None = None  # the prompt's
 
 
 @dataclass
@@ -286,7 +288,9 @@ class Cluster:
             output = len(resumed.token_ids)  # its grammar, if any, has followed them
             params = dataclasses.replace(request.params, max_tokens=left, grammar_prefix=output)
             prompt_ids = request.prompt_ids + resumed.token_ids
-            await self._place(request_id, prompt_ids, params, request.tokenizer_id, lost)
+            await self._place(
+                request_id, prompt_ids, params, request.tokenizer_id, lost, request.images
+            )
         except Exception as exc:
             MIGRATED.labels("failed").inc()
             error = f"the decode instance {lost} went away and the request could not move: "
@@ -382,7 +386,7 @@ class Cluster:
         tokens = await self.bus.request(TOKENIZE, tokenize, TokenizeReply, 10)
         prompt_ids = tokens.prompt_ids
         decode, drafter, prefill = await self._place(
-            request_id, prompt_ids, params, tokens.tokenizer_id
+            request_id, prompt_ids, params, tokens.tokenizer_id, images=tokens.images
         )
         return Placement(
             request_id,
@@ -400,6 +404,7 @@ class Cluster:
         params: SamplingParams,
         tokenizer_id: str,
         avoid: str | None = None,
+        images: list[ImageData] | None = None,
     ) -> tuple[str, str | None, PrefillReply]:
         """Prefill the prompt and admit it to the least loaded decode worker but `avoid`
         (and a drafter for it): (decode id, drafter id, prefill's reply)."""
@@ -412,13 +417,15 @@ class Cluster:
         algorithm = decode.heartbeat.algorithm
         drafter = self._choose("drafter", algorithm) if algorithm else None
         prefill = await self._prefill(
-            PrefillRequest(request_id=request_id, prompt_ids=prompt_ids, params=params)
+            PrefillRequest(
+                request_id=request_id, prompt_ids=prompt_ids, params=params, images=images
+            )
         )
         decode_id = decode.heartbeat.instance_id
         drafter_id = drafter.heartbeat.instance_id if drafter else None
         self.workers_of[request_id] = (tokenizer_id, decode_id)
         resumable = self.resumable.setdefault(
-            request_id, Resumable(prompt_ids, params, tokenizer_id)
+            request_id, Resumable(prompt_ids, params, tokenizer_id, images=images)
         )
         admit = AdmitRequest(
             request_id=request_id,
@@ -429,6 +436,7 @@ class Cluster:
             detok_subject=detok_subject(tokenizer_id),
             output_subject=gateway_subject(self.gateway_id),
             attempt=resumable.attempt,
+            images=images,
         )
         await self.bus.request(decode_subject(decode_id), admit, Admitted, 10)
         return decode_id, drafter_id, prefill

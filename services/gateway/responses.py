@@ -473,7 +473,8 @@ def response_routes(
         params = plan.sampling_params(chat.max_completion_tokens or 0, None)
         work = (plan.tokenize_request(f"{request_id}-0", []), params)
         generation = await start(cluster, model_name, ROUTE, chat.model, request_id, [[work]])
-        events = _events(generation, plan.choice(0), _head(req, request_id, model_name, params))
+        choice = plan.choice(0, generation.placements[work[0].request_id].prompt_text)
+        events = _events(generation, choice, _head(req, request_id, model_name, params))
 
         async def collect() -> dict[str, Any]:
             async for event in events:

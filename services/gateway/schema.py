@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shared.multimodal.data_url import IMAGE_PLACEHOLDER
 from shared.sampling.params import (
     INT32_MAX,
     MAX_LOGPROBS,
@@ -80,17 +81,28 @@ class ChatMessage(Body):
 
     @field_validator("content")
     @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
+    def _text_and_image_parts_only(cls, content: Any) -> Any:
         for part in content if isinstance(content, list) else []:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported by this model")
+            if part.get("type") == "image_url":
+                image = part.get("image_url")
+                if not isinstance(image, dict) or not isinstance(image.get("url"), str):
+                    raise ValueError("an image_url part needs image_url.url")
+            elif part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text and image_url content parts are supported")
         return content
 
+    def image_urls(self) -> list[str]:
+        content = self.content if isinstance(self.content, list) else []
+        return [part["image_url"]["url"] for part in content if part["type"] == "image_url"]
+
     def for_template(self) -> dict[str, Any]:
-        """The message as chat templates expect it: content as one string."""
+        """The message as chat templates expect it: content as one string, each image as
+        the placeholder the tokenizer expands."""
         content = self.content
         if isinstance(content, list):
-            content = "".join(part["text"] for part in content)
+            content = "".join(
+                part["text"] if part["type"] == "text" else IMAGE_PLACEHOLDER for part in content
+            )
         return {**self.model_dump(exclude_none=True), "content": content or ""}
 
 

@@ -22,6 +22,7 @@ from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import EngineConfig, LLMEngine
 from shared.kvcache.exchange import KVExchange, feature_tag, kv_description, model_fingerprint
 from shared.model.fetch import resolve_model
+from shared.multimodal.wire import images_from_wire
 from shared.protocol import (
     ABORT,
     PREFILL,
@@ -31,6 +32,7 @@ from shared.protocol import (
     PrefillRequest,
     RemoteError,
 )
+from shared.runner.images import place_images
 from shared.service import EngineService, ServiceConfig
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.factory import drafter_target_features
@@ -84,7 +86,7 @@ class PrefillEngine(LLMEngine):
     def _hand_over(self, seq: Sequence) -> None:
         """A finishing prompt's K/V (and features) to the transport, its keys to the service."""
         if seq.num_computed_tokens >= seq.num_prompt_tokens:
-            keys = self.kv_exchange.keys(seq.prompt_ids)
+            keys = self.kv_exchange.keys(seq.prompt_ids, seq.images)
             try:
                 self._export(seq, keys)
                 self.handoff[seq.request_id] = keys
@@ -161,7 +163,10 @@ class PrefillService(EngineService):
         await asyncio.to_thread(engine.check_request, req.prompt_ids, req.params)
         exchange = engine.kv_exchange
         bs = engine.block_manager.block_size
-        keys = exchange.keys(req.prompt_ids)
+        images = images_from_wire(req.images)
+        # The K/V of blocks from the first image on depends on the images too.
+        placed = place_images(engine.model, req.prompt_ids, images) if images else None
+        keys = exchange.keys(req.prompt_ids, placed)
         # Full blocks only, and never the last prompt token: its logits are needed.
         reusable = (len(req.prompt_ids) - 1) // bs
         stored = await asyncio.to_thread(exchange.stored_blocks, keys[:reusable])
@@ -170,7 +175,7 @@ class PrefillService(EngineService):
         ACTIVE_REQUESTS.labels(self.kind).inc()
         try:
             async for outputs in self.driver.generate(
-                req.request_id, req.prompt_ids, params, remote
+                req.request_id, req.prompt_ids, params, remote, images=images
             ):
                 first = outputs[0]
         finally:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.config import model_option, option
+from shared.multimodal.preprocess import DEFAULT_MAX_IMAGE_PIXELS
 
 
 @dataclass
@@ -13,6 +14,9 @@ class TokenizerConfig:
     model: str | None = model_option()
     chat_template: str | None = option(
         None, "a Jinja chat template file to use instead of the model's own"
+    )
+    max_image_pixels: int = option(
+        DEFAULT_MAX_IMAGE_PIXELS, "larger images (decoded width x height) get 400"
     )
 
     def __post_init__(self) -> None:

@@ -15,6 +15,8 @@ from typing import Any
 from services.tokenizer.config import TokenizerConfig
 from shared.bus import Outbox
 from shared.model.fetch import resolve_model
+from shared.multimodal.prompt import ImagePrompts
+from shared.multimodal.wire import to_wire
 from shared.parsers.tools import ToolParser, make_tool_parser
 from shared.protocol import (
     ABORT,
@@ -60,7 +62,9 @@ class TokenizerService(Service):
 
     def __init__(self, cfg: ServiceConfig, tcfg: TokenizerConfig) -> None:
         super().__init__(cfg)
-        self.tokenizer = Tokenizer(resolve_model(tcfg.model), tcfg.chat_template)
+        model_dir = resolve_model(tcfg.model)
+        self.tokenizer = Tokenizer(model_dir, tcfg.chat_template)
+        self.images = ImagePrompts(model_dir, self.tokenizer, tcfg.max_image_pixels)
         self.streams: dict[str, Output] = {}
         self.outbox: Outbox  # once the bus is connected
 
@@ -81,12 +85,16 @@ class TokenizerService(Service):
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeReply:
         self.aborted.check(req.request_id)
+        images = None
         if req.messages is not None:
             try:
                 text = self.chat_prompt(req)
             except Exception as exc:  # template errors come from the caller's messages
                 raise ValueError(f"cannot apply the chat template: {exc}") from exc
             ids = self.tokenizer.encode(text)  # the template writes special tokens as text
+            if req.images:  # decoding and resizing, off the loop
+                ids, prepared = await asyncio.to_thread(self.images.expand, ids, req.images)
+                images = [to_wire(image) for image in prepared]
         elif req.prompt is not None:
             text, ids = req.prompt, self.tokenizer.encode(req.prompt, add_special_tokens=True)
         elif req.prompt_ids is not None:
@@ -95,10 +103,12 @@ class TokenizerService(Service):
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
         else:
             raise ValueError("nothing to tokenize: give messages, a prompt or prompt ids")
-        stream = TextStream(self.tokenizer, ids, req.stop)
+        stream = TextStream(self.tokenizer, ids, req.stop, req.keep_special)
         self.streams[req.request_id] = Output(stream, req.output_subject)
         ACTIVE_REQUESTS.labels(self.kind).set(len(self.streams))
-        return TokenizeReply(prompt_ids=ids, tokenizer_id=self.instance_id, prompt_text=text)
+        return TokenizeReply(
+            prompt_ids=ids, tokenizer_id=self.instance_id, prompt_text=text, images=images
+        )
 
     async def encode(self, req: EncodeRequest) -> EncodeReply:
         encode = self.tokenizer.encode

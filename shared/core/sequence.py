@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from shared.core.images import PromptImages
 from shared.sampling.params import SamplingParams
 
 if TYPE_CHECKING:  # the grammar module builds on core types
@@ -43,6 +44,7 @@ class Sequence:
     # K/V of a prefix computed elsewhere (prefill service), loaded instead of computed.
     remote_kv: RemotePrefix | None = None
     grammar: GrammarMatcher | None = None  # where its output is in `params.grammar`
+    images: PromptImages | None = None  # the prompt's images (Mistral3), with their tokens
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Future
 from typing import TypeVar
 
+from shared.core.images import PromptImage
 from shared.core.sequence import RemotePrefix
 from shared.engine.engine import FirstToken, LLMEngine, TokenOutput
 from shared.sampling.params import SamplingParams
@@ -68,6 +69,7 @@ class AsyncEngine:
         params: SamplingParams,
         remote_kv: RemotePrefix | None = None,
         first: FirstToken | None = None,
+        images: list[PromptImage] | None = None,
     ) -> AsyncIterator[list[TokenOutput]]:
         """Stream the request's tokens, each step's together (several when drafts were
         accepted). Raises ValueError for a request that cannot run; leaving the
@@ -78,7 +80,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         queue: _Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        self._post(lambda: self._add(request_id, prompt_ids, params, remote_kv, first))
+        self._post(lambda: self._add(request_id, prompt_ids, params, remote_kv, first, images))
         finished = False
         try:
             while not finished:
@@ -105,9 +107,12 @@ class AsyncEngine:
         params: SamplingParams,
         remote_kv: RemotePrefix | None,
         first: FirstToken | None,
+        images: list[PromptImage] | None = None,
     ) -> None:
         try:
-            outputs = self.engine.add_request(request_id, prompt_ids, params, remote_kv, first)
+            outputs = self.engine.add_request(
+                request_id, prompt_ids, params, remote_kv, first, images
+            )
         except ValueError as exc:
             self._deliver(request_id, exc)
             return

@@ -21,6 +21,7 @@ from shared.config import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
+from shared.core.images import PromptImage
 from shared.core.sequence import RemotePrefix, Sequence, SequenceStatus
 from shared.core.spec_stats import SpecStats
 from shared.core.tree import DraftTree
@@ -33,6 +34,7 @@ from shared.model.attention import ATTENTION_BACKENDS
 from shared.model.config import ModelConfig
 from shared.model.loader import load_model
 from shared.runner.cuda_graph import decode_graphs
+from shared.runner.images import place_images
 from shared.runner.model_runner import ModelRunner
 from shared.sampling.grammar import GrammarCompiler
 from shared.sampling.params import SamplingParams
@@ -303,16 +305,20 @@ class LLMEngine:
         params: SamplingParams,
         remote_kv: RemotePrefix | None = None,
         first: FirstToken | None = None,
+        images: list[PromptImage] | None = None,
     ) -> list[TokenOutput]:
         """Queue a request. `remote_kv`: its prompt's K/V (or a prefix of it) waits in the
-        KV transport. `first`: its first token was sampled already (returned as output)."""
+        KV transport. `first`: its first token was sampled already (returned as output).
+        `images`: the prompt's images, in the order of its image tokens."""
         self.check_request(prompt_ids, params)
+        placed = place_images(self.model, prompt_ids, images) if images else None
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already running")
         if remote_kv is not None and self.kv_exchange is None:
             raise ValueError("this engine has no KV transport to load a prefilled prompt from")
         seq = Sequence(request_id, list(prompt_ids), params)
         seq.remote_kv, seq.lane = remote_kv, self._next_lane
+        seq.images = placed
         if params.grammar is not None:
             seq.grammar = self.grammars.matcher(params.grammar)
             for token in prompt_ids[len(prompt_ids) - params.grammar_prefix :]:
@@ -467,7 +473,9 @@ class LLMEngine:
         for i, seq in enumerate(result.sampled):
             outputs += self._emit(seq, [out.token_ids[i]], out.logprobs[i], out.top_logprobs[i])
         for seq, logits in result.tree_logits.items():
-            tokens = self.speculator.verify(seq, trees[seq], logits, result.features.get(seq))
+            tokens = self.speculator.verify(
+                seq, trees[seq], logits, result.features.get(seq), result.node_states.get(seq)
+            )
             outputs += self._emit(seq, tokens)
         seconds = time.perf_counter() - start
         self.stats.step_seconds += seconds

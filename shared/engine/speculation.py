@@ -21,7 +21,7 @@ from shared.core.sequence import Sequence, SequenceStatus
 from shared.core.spec_stats import SpecStats
 from shared.core.tree import DraftTree
 from shared.kvcache.block_manager import BlockManager
-from shared.kvcache.kv_cache import KVCache
+from shared.kvcache.kv_cache import KVCache, TreeStates
 from shared.runner.logits import processed_logits, shapes_logits
 from shared.sampling.params import SamplingParams
 from shared.sampling.sampler import has_penalties, to_probs
@@ -186,9 +186,11 @@ class Speculator:
         tree: DraftTree,
         logits: torch.Tensor,
         features: torch.Tensor | None = None,
+        node_states: TreeStates | None = None,
     ) -> list[int]:
-        """Accept a path of `tree` given the target's logits (and features) at its nodes;
-        commit the path's K/V. Returns the tokens to emit (accepted drafts, then bonus)."""
+        """Accept a path of `tree` given the target's logits (and features, and a hybrid
+        model's linear-attention states) at its nodes; commit the path's K/V and states.
+        Returns the tokens to emit (accepted drafts, then bonus)."""
         params = seq.params
         if shapes_logits(seq):  # e.g. drafts its grammar forbids are never accepted
             paths = [tree.path_tokens(node)[1:] for node in range(len(tree))]  # root: emitted
@@ -209,6 +211,8 @@ class Speculator:
         if moved:
             src, dst = zip(*moved, strict=True)
             self.kv_cache.copy_tokens(seq.block_table, list(src), list(dst))
+        if node_states is not None:
+            node_states.commit(self.kv_cache, seq.block_table, start, path)
         seq.num_computed_tokens = start + len(path)
         self.block_manager.seal(seq, start)
         if features is not None:

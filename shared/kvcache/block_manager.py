@@ -17,13 +17,22 @@ import numpy as np
 from shared.core.sequence import Sequence
 
 
-def block_hash(tokens: list[int], prev_hash: int | None) -> int:
-    """Stable across processes (unlike `hash`), so other services can address blocks by it."""
+def block_hash(tokens: list[int], prev_hash: int | None, salt: bytes = b"") -> int:
+    """Stable across processes (unlike `hash`), so other services can address blocks by it.
+    `salt`: what else the block's K/V depends on (the digests of images that begin in it)."""
     h = hashlib.blake2b(digest_size=8)
     if prev_hash is not None:
         h.update(prev_hash.to_bytes(8, "little"))
     h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    h.update(salt)
     return int.from_bytes(h.digest(), "little")
+
+
+def block_salt(seq: Sequence, index: int, block_size: int) -> bytes:
+    """Block `index`'s salt: the digests of `seq`'s images that begin in it."""
+    if seq.images is None:
+        return b""
+    return seq.images.salt(index * block_size, (index + 1) * block_size)
 
 
 @dataclass
@@ -77,7 +86,7 @@ class BlockManager:
         ids, prev = [], None
         for i in range((len(seq) - 1) // self.block_size):
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            prev = block_hash(tokens, prev)
+            prev = block_hash(tokens, prev, block_salt(seq, i, self.block_size))
             block_id = self.hash_to_block.get(prev)
             if block_id is None or self.blocks[block_id].tokens != tokens:
                 break
@@ -133,5 +142,5 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             prev = self.blocks[seq.block_table[i - 1]].hash if i else None
             block.tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            block.hash = block_hash(block.tokens, prev)
+            block.hash = block_hash(block.tokens, prev, block_salt(seq, i, bs))
             self.hash_to_block[block.hash] = block.block_id

@@ -17,6 +17,7 @@ import hashlib
 
 import torch
 
+from shared.core.images import PromptImages
 from shared.kvcache.block_manager import block_hash
 from shared.kvcache.kv_cache import KVCache
 from shared.model.llama import LlamaForCausalLM
@@ -70,11 +71,13 @@ class KVExchange:
         self.fingerprint = fingerprint
         self.ttl_s = ttl_s
 
-    def keys(self, token_ids: list[int]) -> list[str]:
-        """One key per block of `token_ids`, the last one covering a partial block."""
+    def keys(self, token_ids: list[int], images: PromptImages | None = None) -> list[str]:
+        """One key per block of `token_ids`, the last one covering a partial block; chained
+        as the prefix cache's block hashes are, `images` salting the blocks they begin in."""
         bs, keys, prev = self.kv_cache.block_size, [], None
         for start in range(0, len(token_ids), bs):
-            prev = block_hash(token_ids[start : start + bs], prev)
+            salt = images.salt(start, start + bs) if images is not None else b""
+            prev = block_hash(token_ids[start : start + bs], prev, salt)
             keys.append(f"{self.fingerprint}-{prev:016x}-{min(bs, len(token_ids) - start)}")
         return keys
 
@@ -136,22 +139,31 @@ class KVExchange:
         start = block_id * self.kv_cache.block_size
         return slice(start, start + _block_tokens(key))
 
+    def _block(self, block_id: int, key: str) -> list[torch.Tensor]:
+        """What a blob holds of a block: its K/V, then (hybrid models) its state slot."""
+        kv = self.kv_cache.storage[:, :, self._slots(block_id, key)]
+        return [kv, *self.kv_cache.state_tensors(block_id)]
+
     def _read(self, block_id: int, key: str) -> bytes:
-        block = self.kv_cache.storage[:, :, self._slots(block_id, key)]
-        return block.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+        parts = self._block(block_id, key)
+        return b"".join(t.contiguous().view(torch.uint8).cpu().numpy().tobytes() for t in parts)
 
     def _write(self, block_id: int, key: str, data: bytes) -> None:
         """Copy a stored block into the cache; KeyError (compute it instead) when its size
         or values are not what this cache holds: a bad blob costs its request a recompute."""
-        storage = self.kv_cache.storage
-        target = storage[:, :, self._slots(block_id, key)]
-        size = target.numel() * target.element_size()
-        if len(data) != size:
-            raise KeyError(f"KV block {key} has {len(data)} bytes, not {size}")
-        values = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(storage.dtype)
-        if not torch.isfinite(values.float()).all():  # float(): isfinite has no fp8 kernel
+        targets = self._block(block_id, key)
+        sizes = [t.numel() * t.element_size() for t in targets]
+        if len(data) != sum(sizes):
+            raise KeyError(f"KV block {key} has {len(data)} bytes, not {sum(sizes)}")
+        values, offset = [], 0
+        for target, size in zip(targets, sizes, strict=True):
+            raw = torch.frombuffer(bytearray(data[offset : offset + size]), dtype=torch.uint8)
+            values.append(raw.view(target.dtype).view(target.shape))
+            offset += size
+        if not all(torch.isfinite(v.float()).all() for v in values):  # float(): fp8 has none
             raise KeyError(f"KV block {key} holds NaN or infinite values")
-        target.copy_(values.view(target.shape))
+        for target, value in zip(targets, values, strict=True):
+            target.copy_(value)
 
 
 def _block_tokens(key: str) -> int:

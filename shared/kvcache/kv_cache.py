@@ -1,4 +1,6 @@
-"""The paged KV storage: per layer, K and V as `[num_blocks * block_size, kv_heads, head_dim]`.
+"""The paged KV storage: per attention layer, K and V as
+`[num_blocks * block_size, kv_heads, head_dim]`; per linear-attention layer of a hybrid model,
+one recurrent-state slot per block (`shared/model/gated_deltanet.py` says what a slot holds).
 
 The storage dtype may be narrower than the model's (`--kv-cache-dtype`): attention casts new
 K/V into it and reads it back in the model's dtype.
@@ -6,9 +8,12 @@ K/V into it and reads it back in the model's dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from shared.model.config import ModelConfig
+from shared.model.gated_deltanet import LinearStates, snapshot_offsets
 
 
 class KVCache:
@@ -21,9 +26,19 @@ class KVCache:
         dtype: torch.dtype,
     ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        attention = cfg.attention_layers
+        shape = (len(attention), 2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
         self.storage = torch.zeros(shape, device=device, dtype=dtype)
-        self.layers = [(layer[0], layer[1]) for layer in self.storage]
+        # per model layer: its (K, V), or its state slots (a linear-attention layer)
+        self.layers: list[tuple[torch.Tensor, torch.Tensor] | LinearStates] = []
+        self.states: list[LinearStates] = []  # the linear-attention layers', in layer order
+        kv = iter(self.storage)
+        for i in range(cfg.num_layers):
+            if i in attention:
+                self.layers.append(tuple(next(kv)))
+            else:
+                self.states.append(_state_slots(cfg, num_blocks, device, dtype))
+                self.layers.append(self.states[-1])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -31,8 +46,10 @@ class KVCache:
 
     @staticmethod
     def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one block, all layers' K and V."""
-        return cfg.kv_elements_per_token * block_size * dtype.itemsize
+        """Bytes of one block, all layers' K and V (and state slots)."""
+        kv = cfg.kv_elements_per_token * block_size * dtype.itemsize
+        lin = cfg.linear
+        return kv + (0 if lin is None else len(lin.layers) * lin.state_elements * 4)
 
     @classmethod
     def for_memory(
@@ -54,6 +71,48 @@ class KVCache:
         slots = [[block_table[i // bs] * bs + i % bs for i in pos] for pos in (src, dst)]
         src_t, dst_t = (torch.tensor(s, device=self.storage.device) for s in slots)
         self.storage[:, :, dst_t] = self.storage[:, :, src_t]
+
+    def state_tensors(self, block_id: int) -> list[torch.Tensor]:
+        """The state slot of one block, every linear-attention layer (none: not hybrid)."""
+        return [t[block_id] for states in self.states for t in (states.conv, states.recurrent)]
+
+    def write_states(
+        self, kept: dict[int, tuple[torch.Tensor, torch.Tensor]], rows: list[int], blocks: list[int]
+    ) -> None:
+        """Into the state slots of `blocks`, the states a step kept (LinearMetadata.kept,
+        per layer) at indices `rows`."""
+        if not rows or not self.states:
+            return
+        index = torch.tensor(rows, device=self.storage.device)
+        slots = torch.tensor(blocks, device=self.storage.device)
+        for states, (conv, recurrent) in zip(self.states, kept.values(), strict=True):
+            states.conv[slots] = conv[index]
+            states.recurrent[slots] = recurrent[index]
+
+
+@dataclass
+class TreeStates:
+    """The linear-attention states after every node of one sequence's draft tree, kept
+    until verification knows which path to write into the state slots."""
+
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]]  # LinearMetadata.kept of the step
+    first: int  # index of the tree's root among the kept states
+
+    def commit(self, cache: KVCache, block_table: list[int], start: int, path: list[int]) -> None:
+        """`path`: the accepted nodes, now at positions start, start+1, ..."""
+        bs = cache.block_size
+        offsets = snapshot_offsets(start, len(path), bs)
+        rows = [self.first + path[i] for i in offsets]
+        cache.write_states(self.kept, rows, [block_table[(start + i) // bs] for i in offsets])
+
+
+def _state_slots(
+    cfg: ModelConfig, num_blocks: int, device: torch.device, dtype: torch.dtype
+) -> LinearStates:
+    lin = cfg.linear
+    conv = torch.zeros(num_blocks, lin.conv_dim, lin.conv_kernel - 1, device=device, dtype=dtype)
+    shape = (num_blocks, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim)
+    return LinearStates(conv, torch.zeros(shape, device=device, dtype=torch.float32))
 
 
 def blocks_for_mem_fraction(

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from shared.model.vision_config import VisionConfig
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -13,9 +15,16 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Mistral3ForConditionalGeneration",
 )
 # Architectures whose attention RMS-normalises each query and key head before RoPE.
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3NextForCausalLM")
+# Architectures mixing Gated DeltaNet layers with gated full attention.
+HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM",)
+# Architectures whose RMSNorms scale by (1 + weight): the loader adds the 1 once.
+OFFSET_NORM_ARCHITECTURES = ("Qwen3NextForCausalLM",)
 
 
 @dataclass(frozen=True)
@@ -28,6 +37,7 @@ class MoEConfig:
     intermediate_size: int
     norm_topk_prob: bool
     sparse_layers: tuple[int, ...]
+    shared_expert_size: int = 0  # a shared SwiGLU expert under a sigmoid gate (Qwen3-Next)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> MoEConfig:
@@ -47,7 +57,56 @@ class MoEConfig:
             intermediate_size=cfg["moe_intermediate_size"],
             norm_topk_prob=cfg.get("norm_topk_prob", False),
             sparse_layers=sparse,
+            shared_expert_size=cfg.get("shared_expert_intermediate_size", 0),
         )
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet token mixing (Qwen3-Next's `linear_attention` layers): a short causal
+    convolution, then a delta-rule recurrent state [v_heads, head_k_dim, head_v_dim] per
+    sequence in place of a KV cache."""
+
+    layers: tuple[int, ...]  # the layers that mix tokens this way
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> LinearAttentionConfig:
+        types = cfg.get("layer_types") or [
+            "full_attention"
+            if (i + 1) % cfg.get("full_attention_interval", 4) == 0
+            else "linear_attention"
+            for i in range(cfg["num_hidden_layers"])
+        ]
+        if cfg["linear_num_value_heads"] % cfg["linear_num_key_heads"]:
+            raise ValueError(
+                "linear_num_value_heads must be a multiple of linear_num_key_heads (each key "
+                f"head serves a group of value heads), not {cfg['linear_num_value_heads']} "
+                f"and {cfg['linear_num_key_heads']}"
+            )
+        return cls(
+            layers=tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
+            num_k_heads=cfg["linear_num_key_heads"],
+            num_v_heads=cfg["linear_num_value_heads"],
+            head_k_dim=cfg["linear_key_head_dim"],
+            head_v_dim=cfg["linear_value_head_dim"],
+            conv_kernel=cfg["linear_conv_kernel_dim"],
+        )
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: queries, keys and values side by side."""
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+    @property
+    def state_elements(self) -> int:
+        """Elements of one sequence's state in one layer: conv window and recurrent state."""
+        conv = self.conv_dim * (self.conv_kernel - 1)
+        return conv + self.num_v_heads * self.head_k_dim * self.head_v_dim
 
 
 def _refuse_sliding_window(arch: str, cfg: dict[str, Any]) -> None:
@@ -60,6 +119,15 @@ def _refuse_sliding_window(arch: str, cfg: dict[str, Any]) -> None:
             f"{arch} with sliding-window attention (use_sliding_window / layer_types) "
             "is not supported; only full attention is"
         )
+
+
+def _mistral3(cls: type[ModelConfig], cfg: dict[str, Any]) -> ModelConfig:
+    """A Mistral text model (`text_config`) with the image path (`vision_config`)."""
+    text = {"eos_token_id": cfg.get("eos_token_id"), "bos_token_id": cfg.get("bos_token_id")}
+    text |= {**cfg["text_config"], "architectures": ["MistralForCausalLM"]}
+    text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    arch = "Mistral3ForConditionalGeneration"
+    return replace(cls.from_hf(text), architecture=arch, vision=VisionConfig.from_hf(cfg))
 
 
 @dataclass(frozen=True)
@@ -83,6 +151,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     moe: MoEConfig | None = None  # routed experts (Qwen3-MoE); None: every MLP is dense
+    vision: VisionConfig | None = None  # Mistral3's image encoder; None: text only
+    linear: LinearAttentionConfig | None = None  # Gated DeltaNet layers (Qwen3-Next)
+    rotary_dim: int = 0  # leading dims of each head that RoPE rotates; 0: all (`rope_dim`)
+    attn_output_gate: bool = False  # attention output times sigmoid(gate from q_proj)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -92,8 +164,11 @@ class ModelConfig:
                 f"unsupported architecture {arch!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if arch == "Mistral3ForConditionalGeneration":
+            return _mistral3(cls, cfg)
         _refuse_sliding_window(arch, cfg)
         num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         rope_scaling = cfg.get("rope_scaling")
@@ -109,7 +184,7 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
             rope_scaling=rope_scaling,
@@ -122,7 +197,13 @@ class ModelConfig:
             mlp_bias=cfg.get("mlp_bias", False),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
-            moe=MoEConfig.from_hf(cfg) if arch == "Qwen3MoeForCausalLM" else None,
+            moe=MoEConfig.from_hf(cfg) if arch in MOE_ARCHITECTURES else None,
+            linear=LinearAttentionConfig.from_hf(cfg) if arch in HYBRID_ARCHITECTURES else None,
+            rotary_dim=int(
+                head_dim
+                * cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
+            ),
+            attn_output_gate=arch in HYBRID_ARCHITECTURES,
         )
 
     @classmethod
@@ -154,6 +235,18 @@ class ModelConfig:
         return self.moe is not None and layer in self.moe.sparse_layers
 
     @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    def is_linear_layer(self, layer: int) -> bool:
+        return self.linear is not None and layer in self.linear.layers
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers with full attention, hence with K/V in the paged cache."""
+        return tuple(i for i in range(self.num_layers) if not self.is_linear_layer(i))
+
+    @property
     def kv_elements_per_token(self) -> int:
         """K and V elements one token occupies across all layers (times dtype size = bytes)."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim
+        return len(self.attention_layers) * 2 * self.num_kv_heads * self.head_dim

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from shared.model.attention import SequenceSpan, context_slots
-from shared.model.llama import Linear, LlamaForCausalLM
+from shared.model.layers import Linear
+from shared.model.llama import LlamaForCausalLM
 
 # Up to this many rows per step go through the kernel; its attention is a plain loop,
 # fine for decode and draft trees, slower than SDPA over a long prompt.

@@ -12,8 +12,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shared.model.attention import get_attention_backend
-from shared.model.config import ModelConfig
+from shared.model.config import OFFSET_NORM_ARCHITECTURES, ModelConfig
 from shared.model.llama import LlamaForCausalLM
+from shared.model.mistral3 import Mistral3Vision
+from shared.model.mistral3 import parameter_name as mistral3_parameter_name
 
 
 def _safetensors_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -45,13 +47,32 @@ def fused_slices(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
     """Checkpoint projection name -> (our fused parameter, row offset, rows)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     ffn = cfg.intermediate_size
-    return {
+    slices = {
         "q_proj": ("qkv_proj", 0, q),
         "k_proj": ("qkv_proj", q, kv),
         "v_proj": ("qkv_proj", q + kv, kv),
         "gate_proj": ("gate_up_proj", 0, ffn),
         "up_proj": ("gate_up_proj", ffn, ffn),
     }
+    if cfg.attn_output_gate:  # taken out of q_proj by _checkpoint_parts
+        slices["q_gate"] = ("qkv_proj", q + 2 * kv, q)
+    return slices
+
+
+def checkpoint_parts(
+    cfg: ModelConfig, name: str, tensor: torch.Tensor
+) -> list[tuple[str, torch.Tensor]]:
+    """A checkpoint tensor as what our parameters hold: a gated attention's q_proj
+    [H * (D q rows, D gate rows), ...] split into q and `q_gate`; a (1 + weight) RMSNorm's
+    weight with the 1 added (the gated norm of linear attention scales by its weight)."""
+    if cfg.attn_output_gate and name.split(".")[-2:-1] == ["q_proj"]:
+        halves = tensor.view(cfg.num_heads, 2, cfg.head_dim, *tensor.shape[1:]).unbind(1)
+        q, gate = (h.reshape(cfg.num_heads * cfg.head_dim, *tensor.shape[1:]) for h in halves)
+        return [(name, q), (name.replace("q_proj", "q_gate"), gate)]
+    offset = cfg.architecture in OFFSET_NORM_ARCHITECTURES
+    if offset and name.endswith("norm.weight") and "linear_attn" not in name:
+        return [(name, tensor + 1)]
+    return [(name, tensor)]
 
 
 # One expert's projection as Hugging Face checkpoints store it, e.g.
@@ -101,6 +122,9 @@ def _fused_target(
     if param not in params:
         raise ValueError(f"unexpected checkpoint tensor {name!r}")
     target = params[param].data
+    if rows is not None and module == "gate_up_proj":  # halves of any SwiGLU's (shared expert)
+        rows = len(target) // 2
+        start = 0 if parts[-2] == "gate_proj" else rows
     return param, target if rows is None else target[start : start + rows]
 
 
@@ -143,12 +167,14 @@ def checkpoint_names(param: str, fused: dict[str, tuple[str, int, int]]) -> list
 
 
 def _is_mtp_layer(name: str, cfg: ModelConfig) -> bool:
-    """A tensor of a layer past the decoder's (DeepSeek-style MTP layers follow them)."""
+    """A tensor of a layer past the decoder's (DeepSeek-style MTP layers follow them), or
+    of Qwen3-Next's `mtp.*` module."""
     parts = name.split(".")
-    return parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= cfg.num_layers
+    past = parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= cfg.num_layers
+    return past or parts[0] == "mtp"
 
 
-def _wanted(
+def wanted_names(
     param: str, cfg: ModelConfig, fused: dict[str, tuple[str, int, int]], seen: set[str]
 ) -> list[str]:
     """The checkpoint tensors that fill `param`: stacked expert weights come either as
@@ -168,19 +194,28 @@ def load_model(
     backend = get_attention_backend(attention_backend, cfg, device, dtype)  # on the real device
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend)
+        if cfg.vision is not None:  # Mistral3: the image encoder and projector
+            model.vision = Mistral3Vision(cfg.vision)
     model.materialize(device, dtype)
     params = dict(model.named_parameters())
     fused = fused_slices(cfg)
     seen: set[str] = set()
     for name, tensor in tensors:
+        if cfg.vision is not None:
+            name = mistral3_parameter_name(name)
+            if name.startswith("vision."):  # unfused: the encoder keeps q/k/v apart
+                copy_into(params, {}, name, tensor)
+                seen.add(name)
+                continue
         name = name.removeprefix("model.")
         if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         if _is_mtp_layer(name, cfg):
             continue  # the checkpoint's MTP layers: NEXTN's drafter reads them
-        copy_into(params, fused, name, tensor)
-        seen.add(name)
-    missing = [c for n in params for c in _wanted(n, cfg, fused, seen) if c not in seen]
+        for part, value in checkpoint_parts(cfg, name, tensor):
+            copy_into(params, fused, part, value)
+            seen.add(part)
+    missing = [c for n in params for c in wanted_names(n, cfg, fused, seen) if c not in seen]
     if missing:
         more = " ..." if len(missing) > 5 else ""
         raise ValueError(f"checkpoint lacks weights for {missing[:5]}{more}")

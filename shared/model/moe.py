@@ -1,4 +1,6 @@
-"""Top-k routed SwiGLU experts (Qwen3-MoE's sparse MLP) over the flat token layout [T].
+"""Top-k routed SwiGLU experts (Qwen3-MoE's sparse MLP) over the flat token layout [T],
+plus, where the family has one (Qwen3-Next), a shared expert every row passes through,
+scaled by sigmoid(shared_expert_gate(x)).
 
 Each row picks its `top_k` experts by router softmax; the (row, expert) assignments are
 sorted by expert so that every expert multiplies all of its rows in one matmul (a loop
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model.config import ModelConfig
+from shared.model.layers import MLP
 
 
 class Experts(nn.Module):
@@ -37,6 +40,10 @@ class MoE(nn.Module):
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)  # the router
         self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_expert_size:
+            self.shared_expert = MLP(cfg, moe.shared_expert_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] in x's dtype, experts [T, k]): the k most probable
@@ -63,4 +70,6 @@ class MoE(nn.Module):
             y = self.experts.expert(e, x[idx]) * row_weights[start : start + n, None]
             out.index_add_(0, idx, y)
             start += n
+        if self.shared_expert is not None:
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import string
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -37,8 +38,9 @@ Unit = tuple[int, ToolCall | str]
 _DECODER = json.JSONDecoder()
 
 
-def _make_call(name: Any, arguments: Any) -> ToolCall | None:
-    """A call if `name` is a string and `arguments` an object (or JSON text of one)."""
+def _make_call(name: Any, arguments: Any, call_id: str | None = None) -> ToolCall | None:
+    """A call if `name` is a string and `arguments` an object (or JSON text of one);
+    `call_id`: the id the format gave it (None: a new one)."""
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
@@ -46,15 +48,18 @@ def _make_call(name: Any, arguments: Any) -> ToolCall | None:
             return None
     if not isinstance(name, str) or not name or not isinstance(arguments, dict):
         return None
-    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+    call = ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+    if call_id is not None:
+        call.id = call_id
+    return call
 
 
-def _call_from_object(value: Any) -> ToolCall | None:
+def _call_from_object(value: Any, call_id: str | None = None) -> ToolCall | None:
     """A call from {"name": ..., "arguments" or "parameters": ...}; no arguments means {}."""
     if not isinstance(value, dict):
         return None
     arguments = value["arguments"] if "arguments" in value else value.get("parameters", {})
-    return _make_call(value.get("name"), arguments)
+    return _make_call(value.get("name"), arguments, call_id)
 
 
 def _object_at(text: str, start: int) -> tuple[Any, int] | None:
@@ -68,12 +73,12 @@ def _object_at(text: str, start: int) -> tuple[Any, int] | None:
         return None
 
 
-def _object_unit(text: str, start: int) -> Unit | None:
+def _object_unit(text: str, start: int, call_id: str | None = None) -> Unit | None:
     """The call object at text[start:] as a unit (the call, or its raw text if invalid)."""
     if (found := _object_at(text, start)) is None:
         return None
     value, end = found
-    return end, _call_from_object(value) or text[:end]
+    return end, _call_from_object(value, call_id) or text[:end]
 
 
 def _content_end(text: str, marker: str) -> tuple[int, bool]:
@@ -133,6 +138,12 @@ def _lark(opening: str, rule: str, closing: str) -> str:
     )
 
 
+def _lark_calls(count: int, separator: str) -> str:
+    """A Lark sequence of one to `count` calls (rule `call`), apart by `separator`."""
+    more = count - 1
+    return "call" + f" ({json.dumps(separator)} call" * more + ")?" * more
+
+
 class ToolParser(ABC):
     name: ClassVar[str]
     # Every unit ends with one of these characters: reading is only retried after one arrives.
@@ -145,6 +156,18 @@ class ToolParser(ABC):
     call_separator: ClassVar[str]
     list_open: ClassVar[str] = ""
     list_close: ClassVar[str] = ""
+    # The format's markers: where the tokenizer has them as special tokens, the output's
+    # text keeps them for this parser (others are dropped when detokenizing).
+    markers: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        # The request's OpenAI tools: formats that write arguments as untyped text read
+        # them by the tool's parameters schema.
+        self.tools = tools or []
+
+    def for_request(self, tools: list[dict[str, Any]]) -> ToolParser:
+        """This format, reading the calls of a request that offers `tools`."""
+        return type(self)(tools)
 
     @abstractmethod
     def render_tools(self, tools: list[dict[str, Any]]) -> str:
@@ -165,8 +188,7 @@ class ToolParser(ABC):
         schema = {"anyOf": [_call_schema(t, self.arguments_key) for t in chosen]}
         schema["x-guidance"] = JSON_LAYOUT
         call = _lark(self.call_open, f"%json {json.dumps(schema)}", self.call_close)
-        more = len(chosen) - 1 if parallel else 0
-        calls = "call" + f" ({json.dumps(self.call_separator)} call" * more + ")?" * more
+        calls = _lark_calls(len(chosen) if parallel else 1, self.call_separator)
         start = _lark(self.list_open, calls, self.list_close)
         return Grammar("lark", f"start: {start}\ncall: {call}\n")
 
@@ -249,6 +271,7 @@ class HermesToolParser(ToolParser):
     unit_ends = ">"
     OPEN = "<tool_call>"
     CLOSE = "</tool_call>"
+    markers = (OPEN, CLOSE)
     call_open = OPEN + "\n"
     call_close = "\n" + CLOSE
     call_separator = "\n"
@@ -280,11 +303,148 @@ class HermesToolParser(ToolParser):
         if end < 0:
             return None
         size = end + len(self.CLOSE)
+        return size, self._block_call(text[len(self.OPEN) : end]) or text[:size]
+
+    def _block_call(self, body: str) -> ToolCall | None:
+        """The call written between the tags (None: not a valid call)."""
         try:
-            call = _call_from_object(json.loads(text[len(self.OPEN) : end]))
+            return _call_from_object(json.loads(body))
         except ValueError:
-            call = None
-        return size, call or text[:size]
+            return None
+
+
+# JSON Schema types other than string: a parameter of one of these is written as JSON.
+_JSON_TYPES = frozenset({"null", "boolean", "integer", "number", "array", "object"})
+# Lark: a parameter's text value, which cannot hold the line that closes the parameter.
+_LARK_TEXT = r"(/(.|\n)*/ & ~/(.|\n)*\n<\/parameter>(.|\n)*/)"
+
+
+def _schema_types(schema: Any) -> set[str]:
+    """The JSON types a schema allows (its `type`, also inside anyOf/oneOf); empty: unknown."""
+    if not isinstance(schema, dict):
+        return set()
+    declared = schema.get("type")
+    types = {declared} if isinstance(declared, str) else set(declared or [])
+    for option in [*schema.get("anyOf", []), *schema.get("oneOf", [])]:
+        types |= _schema_types(option)
+    return types
+
+
+def _json_type(value: Any) -> str:
+    """The JSON type of a value json.loads made."""
+    for kind, name in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string")):
+        if isinstance(value, kind):
+            return name
+    return "null" if value is None else "array" if isinstance(value, list) else "object"
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # json.loads takes NaN and Infinity otherwise
+
+
+def _typed_value(text: str, schema: Any) -> Any:
+    """A parameter's value as written (one newline either side is layout), typed by its
+    schema: JSON where the schema allows that JSON type, else the text itself."""
+    value = text.removeprefix("\n").removesuffix("\n")
+    types = _schema_types(schema)
+    if "boolean" in types and value.lower() in ("true", "false"):  # Python's True, False too
+        return value.lower() == "true"
+    try:
+        parsed = json.loads(value, parse_constant=_no_constant)
+    except ValueError:
+        return value
+    kind = _json_type(parsed)
+    if kind in types - {"string"} or (kind == "integer" and "number" in types):
+        return parsed
+    return value  # strings are written bare: text that parses as JSON is still text
+
+
+def _written_value(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+class Qwen3CoderToolParser(HermesToolParser):
+    """Qwen3-Coder's XML-style calls, one <tool_call> block each:
+    <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>.
+    Values are bare text, typed by the request's tool schemas."""
+
+    name = "qwen3_coder"
+    _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
+    # As vLLM and SGLang read it: a parameter missing its closing tag ends at the next one.
+    _PARAMETER = re.compile(
+        r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL
+    )
+
+    def render_tools(self, tools: list[dict[str, Any]]) -> str:
+        return (
+            "You can call functions to help with the request. Their signatures, one per line:\n"
+            f"<tools>\n{_tool_lines(tools)}\n</tools>\n\n"
+            "To call a function, write its name and each argument in this form, one block "
+            f"per call:\n{self.OPEN}\n<function=function name>\n<parameter=argument name>\n"
+            f"value\n</parameter>\n</function>\n{self.CLOSE}"
+        )
+
+    def render_calls(self, calls: list[dict[str, Any]]) -> str:
+        return "\n".join(self._written_call(call) for call in _call_objects(calls, "arguments"))
+
+    def _written_call(self, call: dict[str, Any]) -> str:
+        arguments = call["arguments"] if isinstance(call["arguments"], dict) else {}
+        parameters = "".join(
+            f"<parameter={key}>\n{_written_value(value)}\n</parameter>\n"
+            for key, value in arguments.items()
+        )
+        return f"{self.OPEN}\n<function={call['name']}>\n{parameters}</function>\n{self.CLOSE}"
+
+    def call_grammar(
+        self, tools: list[dict[str, Any]], name: str | None, parallel: bool
+    ) -> Grammar:
+        """As ToolParser's, in this format: the parameters of a call in their schema's
+        order, the required ones always; text values are any text, JSON ones match their
+        schema."""
+        chosen = [t for t in tools if name in (None, t["function"]["name"])]
+        calls = _lark_calls(len(chosen) if parallel else 1, self.call_separator)
+        rules = [f"start: {calls}"]
+        rules.append("call: " + " | ".join(f"call{i}" for i in range(len(chosen))))
+        for i, tool in enumerate(chosen):
+            rules += self._call_rules(f"call{i}", tool["function"])
+        return Grammar("lark", "\n".join(rules) + "\n")
+
+    def _call_rules(self, rule: str, function: dict[str, Any]) -> list[str]:
+        """Lark rules for a call of `function`, named `rule`."""
+        schema = function.get("parameters") or NO_PARAMETERS
+        required = set(schema.get("required", []))
+        parts, rules = [], []
+        for j, (key, value_schema) in enumerate(schema.get("properties", {}).items()):
+            opening, closing = f"<parameter={key}>\n", "\n</parameter>\n"
+            types = _schema_types(value_schema)
+            if "string" in types or not types & _JSON_TYPES:  # read back as text
+                part = f"{rule}_P{j}".upper()  # a terminal: the value ends at its closing tag
+                rules.append(f"{part}: {_lark(opening, _LARK_TEXT, closing)}")
+            else:
+                part = f"{rule}_p{j}"
+                value = json.dumps({**value_schema, "x-guidance": JSON_LAYOUT})
+                rules.append(f"{part}: {_lark(opening, f'%json {value}', closing)}")
+            parts.append(part if key in required else f"{part}?")
+        opening = f"{self.OPEN}\n<function={function['name']}>\n"
+        closing = f"</function>\n{self.CLOSE}"
+        return [f"{rule}: {_lark(opening, ' '.join(parts), closing)}", *rules]
+
+    def _block_call(self, body: str) -> ToolCall | None:
+        function = self._FUNCTION.fullmatch(body)
+        if function is None:
+            return None
+        name = function[1].strip()
+        schemas = self._parameter_schemas(name)
+        parameters = ((key.strip(), value) for key, value in self._PARAMETER.findall(function[2]))
+        arguments = {key: _typed_value(value, schemas.get(key)) for key, value in parameters}
+        return _make_call(name, arguments)
+
+    def _parameter_schemas(self, name: str) -> dict[str, Any]:
+        """The parameter schemas of the request's tool `name` (none if it offers no such tool)."""
+        for tool in self.tools:
+            if tool.get("function", {}).get("name") == name:
+                return (tool["function"].get("parameters") or {}).get("properties") or {}
+        return {}
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -294,6 +454,7 @@ class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     unit_ends = "}"
     PYTHON_TAG = "<|python_tag|>"
+    markers = (PYTHON_TAG,)
     arguments_key = "parameters"
     call_separator = "; "
     # What may come before a call: separators, the tag, whitespace.
@@ -328,12 +489,21 @@ class Llama3JsonToolParser(ToolParser):
         return _object_unit(text, lead.end())
 
 
+def _mistral_call_id() -> str:
+    # Mistral's chat templates refuse tool call ids that are not 9 letters or digits.
+    alphabet = string.ascii_letters + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(9))
+
+
 class MistralToolParser(ToolParser):
-    """[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...], or [TOOL_CALLS]name[ARGS]{...}."""
+    """[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...] (before v11 tokenizers), or
+    [TOOL_CALLS]name[ARGS]{...} per call (v11 on; [TOOL_CALLS]name[CALL_ID]id[ARGS]{...}
+    in some versions)."""
 
     name = "mistral"
     unit_ends = "}]"
     MARKER = "[TOOL_CALLS]"
+    markers = (MARKER, "[ARGS]", "[CALL_ID]")
     list_open = MARKER + "["
     list_close = "]"
     call_separator = ", "
@@ -341,7 +511,9 @@ class MistralToolParser(ToolParser):
     _FIRST_ITEM = re.compile(r"\s*\[TOOL_CALLS\]\s*\[\s*")
     _NEXT_ITEM = re.compile(r"\s*,\s*")
     _ARRAY_END = re.compile(r"\s*\]")
-    _NAMED_CALL = re.compile(r"\s*\[TOOL_CALLS\]([^\[\]{}]+)\[ARGS\]\s*")
+    _NAMED_CALL = re.compile(
+        r"\s*\[TOOL_CALLS\]([^\[\]{}]+)(?:\[CALL_ID\]([^\[\]{}]+))?\[ARGS\]\s*"
+    )
 
     def render_tools(self, tools: list[dict[str, Any]]) -> str:
         return (
@@ -360,14 +532,15 @@ class MistralToolParser(ToolParser):
 
     def _next_unit(self, text: str) -> Unit | None:
         if item := self._FIRST_ITEM.match(text) or self._NEXT_ITEM.match(text):
-            return _object_unit(text, item.end())
+            return _object_unit(text, item.end(), _mistral_call_id())
         if array_end := self._ARRAY_END.match(text):
             return array_end.end(), ""
         if named := self._NAMED_CALL.match(text):
             if (found := _object_at(text, named.end())) is None:
                 return None
             arguments, end = found
-            return end, _make_call(named[1].strip(), arguments) or text[:end]
+            call_id = named[2].strip() if named[2] else _mistral_call_id()
+            return end, _make_call(named[1].strip(), arguments, call_id) or text[:end]
         return None
 
 
@@ -378,15 +551,18 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama3_json": Llama3JsonToolParser,
     "llama3": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "qwen3_coder": Qwen3CoderToolParser,
 }
 
 
-# What a chat template writes around tool calls, and the format that reads them.
+# What a chat template writes around tool calls (all of it), and the format that reads
+# them; the first match wins.
 _TEMPLATE_MARKERS = (
-    ("<tool_call>", "hermes"),
-    ("[TOOL_CALLS]", "mistral"),
-    ("<|python_tag|>", "llama3_json"),
-    ("ipython", "llama3_json"),
+    (("<function=", "<parameter="), "qwen3_coder"),  # inside <tool_call>: before hermes
+    (("<tool_call>",), "hermes"),
+    (("[TOOL_CALLS]",), "mistral"),
+    (("<|python_tag|>",), "llama3_json"),
+    (("ipython",), "llama3_json"),
 )
 DEFAULT_TOOL_PARSER = "hermes"  # the most common format, for templates that name none
 
@@ -394,14 +570,15 @@ DEFAULT_TOOL_PARSER = "hermes"  # the most common format, for templates that nam
 def tool_parser_for_template(template: str | None) -> tuple[str, bool]:
     """The tool-call format a chat template writes; and whether the template named it
     (False: it did not, and the default applies)."""
-    for marker, name in _TEMPLATE_MARKERS:
-        if marker in (template or ""):
+    for markers, name in _TEMPLATE_MARKERS:
+        if all(marker in (template or "") for marker in markers):
             return name, True
     return DEFAULT_TOOL_PARSER, False
 
 
-def make_tool_parser(name: str) -> ToolParser:
+def make_tool_parser(name: str, tools: list[dict[str, Any]] | None = None) -> ToolParser:
+    """The format `name`; `tools`: the request's, for formats that type arguments by them."""
     if name not in TOOL_PARSERS:
         choices = ", ".join(sorted(TOOL_PARSERS))
         raise ValueError(f"unknown tool parser {name!r}; choose one of: {choices}")
-    return TOOL_PARSERS[name]()
+    return TOOL_PARSERS[name](tools)

@@ -169,7 +169,7 @@ def decode_graphs(
 ) -> DecodeGraphs | None:
     """The runner's decode graphs, or None (logged) where there are none: off, not CUDA,
     or a backend without fixed decode metadata."""
-    backend = model.layers[0].self_attn.backend
+    backend = model.attention_backend
     if kv_cache.storage.device.type != "cuda":
         if torch_compile:
             log.warning("--enable-torch-compile is ignored on CPU (it compiles CUDA graphs)")

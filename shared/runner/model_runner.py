@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from shared.core.sequence import Sequence
 from shared.core.tree import DraftTree
-from shared.kvcache.kv_cache import KVCache
+from shared.kvcache.kv_cache import KVCache, TreeStates
 from shared.model.attention import SequenceSpan, TorchAttention
 from shared.model.fused import FUSED_MAX_ROWS, FusedDecoder
-from shared.model.llama import LlamaForCausalLM, pack_linears
+from shared.model.gated_deltanet import LinearMetadata
+from shared.model.layers import pack_linears
+from shared.model.llama import LlamaForCausalLM
 from shared.runner.cuda_graph import DecodeGraphs
+from shared.runner.images import step_embeds
 from shared.runner.logits import sampled_logits
 from shared.sampling.sampler import SampleOutput, Sampler, position_generator
 
@@ -24,6 +27,9 @@ class StepOutput:
     samples: SampleOutput  # their tokens
     tree_logits: dict[Sequence, torch.Tensor]  # logits at every node of each draft tree
     features: dict[Sequence, torch.Tensor]  # per sequence, features of its input rows
+    # hybrid models: per draft tree, its nodes' linear-attention states (written once one
+    # path is accepted)
+    node_states: dict[Sequence, TreeStates] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -44,9 +50,9 @@ class ModelRunner:
         # through the model's torch path. The decoder stands in for the torch attention
         # backend only: another backend, once chosen, runs every step.
         self.fused = None
-        if isinstance(model.layers[0].self_attn.backend, TorchAttention):
+        if isinstance(model.attention_backend, TorchAttention):
             self.fused = FusedDecoder.build(model, kv_cache.layers)
-        self.graphs = graphs
+        self.graphs = graphs if model.config.linear is None else None  # graphs hold no states
         self.device = model.embed_tokens.weight.device
         self.sampler = Sampler()
         # Target features an EAGLE drafter needs: the outputs of these layers, and whether
@@ -62,21 +68,34 @@ class ModelRunner:
         positions: list[int],
         logit_rows: list[int],
         aux_layers: tuple[int, ...] = (),
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        linear: LinearMetadata | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Forward new tokens of several sequences over their cached prefixes.
+        """Forward new tokens of several sequences over their cached prefixes. `embeds`:
+        (rows, vectors) replacing those rows' token embeddings (image features).
+
+        `linear`: a hybrid model's metadata for its linear-attention layers (built here when
+        not given); the states of chain rows that their blocks keep are written once the
+        forward succeeded, those of draft trees are left in `linear.kept` for verification.
 
         Returns logits at `logit_rows` and the aux-layer hidden states of all rows."""
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         block_size = self.kv_cache.block_size
         out = None
-        if self.fused is not None and len(input_ids) <= FUSED_MAX_ROWS:
+        plain = embeds is None  # only the model's torch path takes embeddings in
+        if plain and self.fused is not None and len(input_ids) <= FUSED_MAX_ROWS:
             out = self.fused.forward(ids, pos, spans, block_size, aux_layers)
-        elif self.graphs is not None:
+        elif plain and self.graphs is not None:
             out = self.graphs.run(spans, ids, pos, aux_layers)  # None: not a decode step
         if out is None:
-            meta = self.model.layers[0].self_attn.backend.prepare(spans, block_size, self.device)
-            out = self.model(ids, pos, self.kv_cache.layers, meta, aux_layers)
+            meta = self.model.attention_backend.prepare(spans, block_size, self.device)
+            if linear is None and self.model.config.linear is not None:
+                linear = LinearMetadata.build(spans, block_size, self.device)
+            out = self.model(ids, pos, self.kv_cache.layers, meta, aux_layers, embeds, linear)
+            if linear is not None and linear.chain_slots:
+                rows, blocks = zip(*linear.chain_slots, strict=True)
+                self.kv_cache.write_states(linear.kept, list(rows), list(blocks))
         hidden, aux = out
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows]), aux
@@ -107,6 +126,8 @@ class ModelRunner:
         """Compute `num` more tokens of each sequence; sample for those that reach their end.
         A sequence with a draft tree instead forwards the tree (root = its last token)."""
         spans, input_ids, positions, sample_rows, tree_rows = [], [], [], [], []
+        image_rows: list[int] = []
+        image_features: list[torch.Tensor] = []
         sampled: list[Sequence] = []
         first_row: dict[Sequence, int] = {}
         for seq, num in batch:
@@ -120,14 +141,34 @@ class ModelRunner:
                 positions += [start + depth for depth in tree.depths()]
                 continue
             spans.append(SequenceSpan(seq.block_table, start, num))
+            if (images := step_embeds(self.model, seq, start, num, len(input_ids))) is not None:
+                image_rows += images[0]
+                image_features.append(images[1])
             input_ids += seq.token_ids[start : start + num]
             positions += range(start, start + num)
             if start + num == len(seq):
                 sample_rows.append(len(input_ids) - 1)
                 sampled.append(seq)
+        embeds = None
+        if image_rows:
+            rows = torch.tensor(image_rows, dtype=torch.long, device=self.device)
+            embeds = (rows, torch.cat(image_features))
+        linear = None
+        if self.model.config.linear is not None:
+            linear = LinearMetadata.build(spans, self.kv_cache.block_size, self.device)
         logits, aux = self.forward(
-            spans, input_ids, positions, sample_rows + tree_rows, self.feature_layers
+            spans,
+            input_ids,
+            positions,
+            sample_rows + tree_rows,
+            self.feature_layers,
+            embeds,
+            linear,
         )
+        node_states = {}
+        for (seq, _), first in zip(batch, linear.tree_first_kept if linear else (), strict=False):
+            if first is not None:
+                node_states[seq] = TreeStates(linear.kept, first)
         tree_logits, row = {}, len(sample_rows)
         for seq, tree in trees.items():
             tree_logits[seq] = logits[row : row + len(tree)]
@@ -147,4 +188,4 @@ class ModelRunner:
             # A sequence samples once all its tokens are computed: the next is at len(s).
             [position_generator(s.params.seed, len(s), self.device) for s in sampled],
         )
-        return StepOutput(sampled, samples, tree_logits, features)
+        return StepOutput(sampled, samples, tree_logits, features, node_states)

@@ -32,7 +32,8 @@ from torch import nn
 
 from shared.core.tree import DraftTree
 from shared.model.config import ModelConfig
-from shared.model.llama import MLP, Linear, LlamaForCausalLM, RMSNorm, pack_linears
+from shared.model.layers import MLP, Linear, RMSNorm, pack_linears
+from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import checkpoint_names, copy_into, split_fused
 from shared.model.rope import apply_rope, rope_cos_sin
 from shared.speculative.config import SpeculativeConfig, trained_block_size

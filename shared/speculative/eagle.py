@@ -14,6 +14,9 @@ or pytorch_model.bin):
   `eh_proj` ([enorm(token embedding); hnorm(feature)] -> hidden), a full decoder layer,
   and `shared_head.norm`; logits come from the target's LM head. The feature is the
   target's final normed hidden state; the layer is reapplied for every draft step.
+  Qwen3-Next's `mtp.*` is the same layer under other names (`fc`, `pre_fc_norm_embedding`,
+  `pre_fc_norm_hidden`, `layers.0.*`, `norm`), its decoder layer a gated full-attention
+  one with routed experts.
 The head's entry i pairs token i+1 with the feature of position i. Drafting
 feeds a node's own output back as its children's feature, and grows the tree
 as STANDALONE does (top-k per step, cumulative scores, rerank).
@@ -37,8 +40,16 @@ from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.kv_cache import KVCache
 from shared.model.attention import SequenceSpan, TorchAttention
 from shared.model.config import ModelConfig
-from shared.model.llama import MLP, Attention, Linear, LlamaForCausalLM, RMSNorm, pack_linears
-from shared.model.loader import checkpoint_names, copy_into, fused_slices, split_fused
+from shared.model.layers import MLP, Linear, RMSNorm, pack_linears
+from shared.model.llama import Attention, LlamaForCausalLM
+from shared.model.loader import (
+    checkpoint_parts,
+    copy_into,
+    fused_slices,
+    split_fused,
+    wanted_names,
+)
+from shared.model.moe import MoE
 from shared.model.rope import rope_cos_sin
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.drafter import DraftRequest, LocalDrafter, target_feature_layers
@@ -65,7 +76,7 @@ class EagleHead(nn.Module):
             3 * target_hidden if eagle3 else 2 * hidden, hidden, bias=algorithm == "EAGLE"
         )
         self.self_attn = Attention(cfg, TorchAttention(), 2 * hidden if eagle3 else None)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(0) else MLP(cfg)
         self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps)
         if eagle3 or self.mtp:
             self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps)
@@ -78,7 +89,7 @@ class EagleHead(nn.Module):
             self.lm_head = Linear(hidden, draft_vocab, bias=False)
             self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         cos, sin = rope_cos_sin(
-            cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling
+            cfg.rope_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling
         )
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -167,20 +178,38 @@ class HeadSpec:
     draft_vocab: int
     target_features: tuple[tuple[int, ...], bool]  # as Drafter.target_features
     mtp_prefix: str = ""  # NEXTN: the checkpoint prefix of the MTP layer's tensors
+    mtp_layout: str = "deepseek"  # NEXTN: which MTP_RENAMES apply
 
 
-# NEXTN checkpoint names (DeepSeek-V3's, under model.layers.{num_hidden_layers}.) -> ours;
-# its embedding and LM head are the target's, stored again beside the layer.
-MTP_RENAMES = {"eh_proj.": "fc.", "shared_head.norm.": "norm."}
+# NEXTN checkpoint names -> ours, per layout: DeepSeek-V3's (under
+# model.layers.{num_hidden_layers}.) and Qwen3-Next's (under mtp.). DeepSeek's embedding and
+# LM head are the target's, stored again beside the layer.
+MTP_RENAMES = {
+    "deepseek": {"eh_proj.": "fc.", "shared_head.norm.": "norm."},
+    "qwen3_next": {
+        "pre_fc_norm_embedding.": "enorm.",
+        "pre_fc_norm_hidden.": "hnorm.",
+        "layers.0.": "",
+    },
+}
 MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
-MTP_WANTED = (
-    "eh_proj.weight",
-    "enorm.weight",
-    "hnorm.weight",
-    "shared_head.norm.weight",
-    "self_attn.o_proj.weight",
-    "mlp.down_proj.weight",
-)
+MTP_WANTED = {
+    "deepseek": (
+        "eh_proj.weight",
+        "enorm.weight",
+        "hnorm.weight",
+        "shared_head.norm.weight",
+        "self_attn.o_proj.weight",
+        "mlp.down_proj.weight",
+    ),
+    "qwen3_next": (
+        "fc.weight",
+        "pre_fc_norm_embedding.weight",
+        "pre_fc_norm_hidden.weight",
+        "norm.weight",
+        "layers.0.self_attn.o_proj.weight",
+    ),
+}
 
 
 def read_mtp_spec(path: Path, target: ModelConfig) -> HeadSpec:
@@ -189,30 +218,39 @@ def read_mtp_spec(path: Path, target: ModelConfig) -> HeadSpec:
     if not (path / "config.json").is_file():
         raise ValueError(f"{where} has no config.json")
     raw = json.loads((path / "config.json").read_text())
-    if not raw.get("num_nextn_predict_layers"):
-        raise ValueError(
-            f"{where} has no MTP layers (config num_nextn_predict_layers is unset); give "
-            "--speculative-draft-model-path a checkpoint with them (specmesh train-draft "
-            "--algorithm NEXTN makes one)"
-        )
-    cfg = ModelConfig.from_hf({**raw, "num_hidden_layers": 1})
+    names = set()
+    for file in _safetensors_files(path):
+        with safe_open(file, "pt") as f:
+            names |= set(f.keys())
+    layout, prefix = _mtp_layout(raw, names, where)
+    # One full-attention layer of the checkpoint's kind (Qwen3-Next: gated, routed experts).
+    one_layer = {"num_hidden_layers": 1, "layer_types": ["full_attention"], "mlp_only_layers": []}
+    cfg = ModelConfig.from_hf({**raw, **one_layer})
     if cfg.hidden_size != target.hidden_size or cfg.vocab_size != target.vocab_size:
         raise ValueError(
             f"{where} has hidden size {cfg.hidden_size} and vocab {cfg.vocab_size}; "
             f"the target's are {target.hidden_size} and {target.vocab_size}"
         )
+    if missing := [n for n in MTP_WANTED[layout] if prefix + n not in names]:
+        raise ValueError(f"{where} lacks the MTP layer's {[prefix + n for n in missing]}")
+    features = target_feature_layers("NEXTN", target.num_layers)
+    return HeadSpec(cfg, target.vocab_size, features, prefix, layout)
+
+
+def _mtp_layout(raw: dict, names: set[str], where: str) -> tuple[str, str]:
+    """(layout, tensor prefix) of the MTP layer a checkpoint holds."""
+    if "mtp.fc.weight" in names:
+        return "qwen3_next", "mtp."
+    if not raw.get("num_nextn_predict_layers"):
+        raise ValueError(
+            f"{where} has no MTP layers (config num_nextn_predict_layers is unset, no mtp.*); "
+            "give --speculative-draft-model-path a checkpoint with them (specmesh train-draft "
+            "--algorithm NEXTN makes one)"
+        )
     prefix = f"model.layers.{raw['num_hidden_layers']}."
-    names = set()
-    for file in _safetensors_files(path):
-        with safe_open(file, "pt") as f:
-            names |= set(f.keys())
     if raw["num_hidden_layers"] == 1 and prefix + "eh_proj.weight" not in names:
         prefix = "model.layers.0."  # SGLang's extracted-layer checkpoints
-    if missing := [n for n in MTP_WANTED if prefix + n not in names]:
-        raise ValueError(f"{where} lacks the MTP layer's {[prefix + n for n in missing]}")
-    return HeadSpec(
-        cfg, target.vocab_size, target_feature_layers("NEXTN", target.num_layers), prefix
-    )
+    return "deepseek", prefix
 
 
 def _renamed(name: str, renames: dict[str, str]) -> str:
@@ -283,7 +321,7 @@ def _head_tensors(path: Path, spec: HeadSpec) -> Iterator[tuple[str, torch.Tenso
             for name in f.keys():
                 short = name.removeprefix(spec.mtp_prefix)
                 if short != name and short not in MTP_SHARED:
-                    yield _renamed(short, MTP_RENAMES), f.get_tensor(name)
+                    yield _renamed(short, MTP_RENAMES[spec.mtp_layout]), f.get_tensor(name)
 
 
 def load_head(
@@ -303,9 +341,12 @@ def load_head(
             continue
         if name == "t2d" or (name == "input_layernorm.weight" and algo == "EAGLE"):
             continue  # t2d: the inverse map; EAGLE's layer 0 never applies its input norm
-        copy_into(params, fused, name, tensor)
-        seen.add(name)
-    missing = [c for n in params for c in checkpoint_names(n, fused) if c not in seen]
+        for part, value in checkpoint_parts(spec.config, name, tensor):
+            copy_into(params, fused, part, value)
+            seen.add(part)
+    missing = [
+        c for n in params for c in wanted_names(n, spec.config, fused, seen) if c not in seen
+    ]
     if missing:
         raise ValueError(f"the {algo} head at {path} lacks {missing}")
     return head, spec, embed
@@ -353,7 +394,7 @@ def save_mtp(head: EagleHead, path: Path, target_config: dict) -> None:
     num_nextn_predict_layers, so that NEXTN loads it as a draft path (and the tensors could
     join the target's own checkpoint)."""
     path.mkdir(parents=True, exist_ok=True)
-    theirs = {ours: name for name, ours in MTP_RENAMES.items()}
+    theirs = {ours: name for name, ours in MTP_RENAMES["deepseek"].items()}
     prefix = f"model.layers.{target_config['num_hidden_layers']}."
     tensors = {}
     for name, tensor in head.state_dict().items():

@@ -23,7 +23,8 @@ from shared.core.tree import DraftTree, ancestor_mask
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.kv_cache import KVCache
 from shared.model.attention import SequenceSpan
-from shared.model.llama import Linear, LlamaForCausalLM
+from shared.model.layers import Linear
+from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import load_model
 from shared.runner.model_runner import ModelRunner
 from shared.sampling.params import SamplingParams

@@ -64,7 +64,7 @@ def extract(
             spans.append(SequenceSpan(table, 0, n))
             ids += samples[i].ids
             positions += range(n)
-        meta = target.layers[0].self_attn.backend.prepare(spans, BLOCK, device)
+        meta = target.attention_backend.prepare(spans, BLOCK, device)
         final, aux = target(
             torch.tensor(ids, device=device),
             torch.tensor(positions, device=device),

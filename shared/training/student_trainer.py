@@ -53,7 +53,7 @@ def new_student(target: LlamaForCausalLM, width: int, num_layers: int) -> LlamaF
     cfg = dataclasses.replace(
         tcfg, hidden_size=width, num_layers=len(layers), tie_word_embeddings=True
     )
-    student = LlamaForCausalLM(cfg, target.layers[0].self_attn.backend)
+    student = LlamaForCausalLM(cfg, target.attention_backend)
     keep = residual_coordinates(target, width)
     norm_scale = math.sqrt(tcfg.hidden_size / width)
 
