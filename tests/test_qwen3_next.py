@@ -91,6 +91,20 @@ def test_logits_match_transformers_prefill_decode_extend(tiny: tuple) -> None:
     assert_close(logits, hf_logits(hf, ids, 0)[start:], "extend")
 
 
+def test_a_long_prompt_in_closed_form_matches_transformers(tiny: tuple) -> None:
+    """A 150-token prompt in blocks of 128: segments of at most 64 rows, a kept state at
+    the block end, then decode from it."""
+    hf, path = tiny
+    model = load_model(path, CPU, torch.float32)
+    runner = ModelRunner(model, KVCache(model.config, 4, 128, CPU, torch.float32))
+    ids = torch.randint(3, VOCAB, (150,), generator=torch.Generator().manual_seed(2)).tolist()
+    logits, _ = runner.forward([SequenceSpan([2, 0], 0, 150)], ids, list(range(150)), [127, 149])
+    assert_close(logits, hf_logits(hf, ids, 0)[[127, 149]], "long prompt")
+    ids.append(int(logits[-1].argmax()))
+    logits, _ = runner.forward([SequenceSpan([2, 0], 150, 1)], ids[-1:], [150], [0])
+    assert_close(logits, hf_logits(hf, ids, 0)[-1:], "decode after it")
+
+
 def test_batch_of_8_prompts_and_a_draft_tree_in_one_step(tiny: tuple) -> None:
     """Eight prompts of different lengths in one forward; then each continues with a tree
     whose every node sees only its ancestors' state."""

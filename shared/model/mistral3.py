@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.core.images import PromptImage
-from shared.model.llama import RMSNorm
+from shared.model.layers import RMSNorm
 from shared.model.pixtral import PixtralEncoder, activation
 from shared.model.vision_config import VisionConfig
 

@@ -7,11 +7,13 @@ they are. The images of one call go through as one flat sequence of patches `[P,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.model.llama import RMSNorm
+from shared.model.layers import RMSNorm
 from shared.model.rope import apply_rope
 from shared.model.vision_config import VisionConfig
 
@@ -19,7 +21,7 @@ ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
 NORM_EPS = 1e-5  # Pixtral's RMSNorms, fixed (not in the config)
 
 
-def activation(name: str):  # noqa: ANN201 - a torch activation function
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in ACTIVATIONS:
         raise ValueError(f"activation {name!r} is not supported (supported: {list(ACTIVATIONS)})")
     return ACTIVATIONS[name]
