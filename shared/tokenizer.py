@@ -160,12 +160,14 @@ class IncrementalDetokenizer:
     ) -> None:
         self.backend = tokenizer.backend
         special = tokenizer.special_tokens
-        self.dropped = frozenset(i for i, text in special.items() if text not in keep)
-        kept = len(self.dropped) < len(special)
+        kept = {i for i, text in special.items() if text in keep}
+        # Only when some are kept does decoding see special tokens, less those dropped here.
+        self.dropped = frozenset(special.keys() - kept) if kept else frozenset()
         self.stream = DecodeStream(ids=list(prompt_ids or [])[-6:], skip_special_tokens=not kept)
 
     def add(self, token_ids: list[int]) -> str:
-        token_ids = [i for i in token_ids if i not in self.dropped]
+        if self.dropped:
+            token_ids = [i for i in token_ids if i not in self.dropped]
         if not token_ids:
             return ""
         return self.stream.step(self.backend, token_ids) or ""

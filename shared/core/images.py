@@ -3,6 +3,7 @@ and what makes cached K/V after them differ from the same tokens with other imag
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from bisect import bisect_left
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ class PromptImage:
     std: tuple[float, float, float]
     rescale: float  # 1/255: pixel values to [0, 1] before normalizing
 
-    @property
+    @functools.cached_property
     def digest(self) -> bytes:
         """Identifies the encoder's input: shape, pixels and normalization."""
         h = hashlib.blake2b(digest_size=16)

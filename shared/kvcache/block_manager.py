@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shared.core.images import PromptImages
 from shared.core.sequence import Sequence
 
 
@@ -28,11 +29,11 @@ def block_hash(tokens: list[int], prev_hash: int | None, salt: bytes = b"") -> i
     return int.from_bytes(h.digest(), "little")
 
 
-def block_salt(seq: Sequence, index: int, block_size: int) -> bytes:
-    """Block `index`'s salt: the digests of `seq`'s images that begin in it."""
-    if seq.images is None:
+def block_salt(images: PromptImages | None, index: int, block_size: int) -> bytes:
+    """Block `index`'s salt: the digests of the prompt's images that begin in it."""
+    if images is None:
         return b""
-    return seq.images.salt(index * block_size, (index + 1) * block_size)
+    return images.salt(index * block_size, (index + 1) * block_size)
 
 
 @dataclass
@@ -86,7 +87,7 @@ class BlockManager:
         ids, prev = [], None
         for i in range((len(seq) - 1) // self.block_size):
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            prev = block_hash(tokens, prev, block_salt(seq, i, self.block_size))
+            prev = block_hash(tokens, prev, block_salt(seq.images, i, self.block_size))
             block_id = self.hash_to_block.get(prev)
             if block_id is None or self.blocks[block_id].tokens != tokens:
                 break
@@ -142,5 +143,5 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             prev = self.blocks[seq.block_table[i - 1]].hash if i else None
             block.tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            block.hash = block_hash(block.tokens, prev, block_salt(seq, i, bs))
+            block.hash = block_hash(block.tokens, prev, block_salt(seq.images, i, bs))
             self.hash_to_block[block.hash] = block.block_id

@@ -18,7 +18,7 @@ import hashlib
 import torch
 
 from shared.core.images import PromptImages
-from shared.kvcache.block_manager import block_hash
+from shared.kvcache.block_manager import block_hash, block_salt
 from shared.kvcache.kv_cache import KVCache
 from shared.model.llama import LlamaForCausalLM
 from shared.telemetry import TRANSPORT_BYTES
@@ -76,7 +76,7 @@ class KVExchange:
         as the prefix cache's block hashes are, `images` salting the blocks they begin in."""
         bs, keys, prev = self.kv_cache.block_size, [], None
         for start in range(0, len(token_ids), bs):
-            salt = images.salt(start, start + bs) if images is not None else b""
+            salt = block_salt(images, start // bs, bs)
             prev = block_hash(token_ids[start : start + bs], prev, salt)
             keys.append(f"{self.fingerprint}-{prev:016x}-{min(bs, len(token_ids) - start)}")
         return keys

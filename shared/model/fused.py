@@ -58,7 +58,8 @@ class FusedDecoder:
         kernel does not apply (layers other than plain Llama ones: Qwen3's q/k norms,
         routed experts; unpacked weights: not fp32 on CPU; a KV cache not in fp32, which
         the kernel reads in place; no compiled kernel)."""
-        if model.config.qk_norm or model.config.moe is not None:
+        cfg = model.config
+        if cfg.qk_norm or cfg.moe is not None or cfg.linear is not None:
             return None  # decoder.cpp computes plain Llama layers only
         linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
         if any(m.packed is None for m in linears):

@@ -110,22 +110,33 @@ def expert_checkpoint_names(param: str, num_experts: int) -> list[str]:
     return [f"{prefix}.{e}.{p}.weight" for e in range(num_experts) for p in projs]
 
 
+def _fused_part(
+    fused: dict[str, tuple[str, int, int]], proj: str, param_rows: int
+) -> tuple[int, int]:
+    """(row offset, rows) of checkpoint projection `proj` in its fused parameter of
+    `param_rows` rows. A SwiGLU's gate and up are its halves whatever its size: the table
+    gives the dense MLP's, and a shared expert's is another."""
+    module, start, rows = fused[proj]
+    if module == "gate_up_proj":
+        rows = param_rows // 2
+        start = 0 if proj == "gate_proj" else rows
+    return start, rows
+
+
 def _fused_target(
     name: str, params: dict[str, torch.Tensor], fused: dict[str, tuple[str, int, int]]
 ) -> tuple[str, torch.Tensor]:
     """Checkpoint tensor `name` -> (our parameter, the rows it fills: all, or a fused slice)."""
     parts = name.split(".")
-    param, rows = name, None
-    if len(parts) >= 2 and parts[-2] in fused:
-        module, start, rows = fused[parts[-2]]
-        param = ".".join([*parts[:-2], module, parts[-1]])
+    fused_part = len(parts) >= 2 and parts[-2] in fused
+    param = ".".join([*parts[:-2], fused[parts[-2]][0], parts[-1]]) if fused_part else name
     if param not in params:
         raise ValueError(f"unexpected checkpoint tensor {name!r}")
     target = params[param].data
-    if rows is not None and module == "gate_up_proj":  # halves of any SwiGLU's (shared expert)
-        rows = len(target) // 2
-        start = 0 if parts[-2] == "gate_proj" else rows
-    return param, target if rows is None else target[start : start + rows]
+    if not fused_part:
+        return param, target
+    start, rows = _fused_part(fused, parts[-2], len(target))
+    return param, target[start : start + rows]
 
 
 def copy_into(
@@ -151,10 +162,11 @@ def split_fused(
 ) -> list[tuple[str, torch.Tensor]]:
     """Our parameter as the checkpoint tensors it was spliced from (the inverse of copy_into)."""
     *prefix, module, kind = name.split(".") if "." in name else ("", name, "")
-    parts = [(proj, start, rows) for proj, (m, start, rows) in fused.items() if m == module]
+    parts = [proj for proj, (m, *_) in fused.items() if m == module]
     if not parts:
         return [(name, tensor)]
-    return [(".".join([*prefix, proj, kind]), tensor[s : s + n]) for proj, s, n in parts]
+    slices = [(proj, *_fused_part(fused, proj, len(tensor))) for proj in parts]
+    return [(".".join([*prefix, proj, kind]), tensor[s : s + n]) for proj, s, n in slices]
 
 
 def checkpoint_names(param: str, fused: dict[str, tuple[str, int, int]]) -> list[str]:
