@@ -33,6 +33,7 @@ from services.supervision import Child, Server
 from services.tokenizer.config import TokenizerConfig
 from shared.bus import Bus, NatsAuth
 from shared.config import SGLangFlags, dataclass_argv, dataclass_secrets, option
+from shared.cores import plan_cores
 from shared.engine.engine import EngineConfig
 from shared.infra import ServerProcess, die_with_parent, start_nats, start_valkey
 from shared.protocol import HEARTBEAT, SERVICE_USERS, Heartbeat, nats_users
@@ -51,9 +52,9 @@ class UpConfig:
     nats_url: str | None = option(None, "use this NATS server instead of starting one")
     metrics: bool = option(True, "serve /metrics from every service (on free ports)")
     decode_nice: int = option(
-        10,
-        "niceness of decode workers: on shared cores, prefill and the short per-step work "
-        "of the other services go first, as in a single engine's prefill-first schedule",
+        0,
+        "niceness of decode workers (negative needs CAP_SYS_NICE); above 0 a background job "
+        "at the default priority takes their cores from them",
     )
 
 
@@ -99,18 +100,6 @@ class Configs:
     def service_env(self, kind: str) -> dict[str, str]:
         """Secrets travel in the environment, not on the command line."""
         return {k: v for c in self.service_configs(kind) for k, v in dataclass_secrets(c).items()}
-
-
-def _child_setup(nice: int) -> Callable[[], None]:
-    """Runs in a service process before it starts: it dies with us and runs at `nice`."""
-    die = die_with_parent()
-
-    def setup() -> None:
-        if die is not None:
-            die()
-        os.nice(nice)
-
-    return setup
 
 
 class Launcher:
@@ -219,16 +208,18 @@ class Launcher:
             "drafter": up.drafters if self.configs.spec.enabled else 0,
             "gateway": 1,
         }
-        # Processes share the cores. Decode yields to the others: their per-step work is
-        # short, and a prefill that runs first brings its requests into decode's batch
-        # sooner. (OpenMP threads keep their default brief spin: waiting passively made
-        # a 7-prompt prefill 20-30% slower.)
+        # Each instance's cores, threads and niceness; a child dies with us.
+        cores = plan_cores(sorted(os.sched_getaffinity(0)), counts)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for kind, count in counts.items():
             for i in range(count):
                 instance = f"{kind}-{i}"
+                placement = cores[instance]
+                if kind == "decode":
+                    placement.nice = up.decode_nice
                 argv = [sys.executable, "-m", f"services.{kind}", "--nats-url", nats_url]
                 argv += ["--instance-id", instance, *self.configs.service_argv(kind)]
+                argv += dataclass_argv(placement)
                 if up.metrics and kind != "gateway":  # the gateway serves /metrics itself
                     argv += ["--metrics-port", "0"]
                 child = Child(
@@ -236,7 +227,7 @@ class Launcher:
                     kind,
                     argv=argv,
                     env={**env, **self.configs.service_env(kind)},
-                    preexec_fn=_child_setup(up.decode_nice if kind == "decode" else 0),
+                    preexec_fn=die_with_parent(),
                 )
                 child.start()
                 self.children[instance] = child

@@ -38,6 +38,7 @@ from prometheus_client.exposition import MetricsHandler
 
 from shared.bus import Bus, NatsAuth
 from shared.config import HelpFormatter, add_dataclass_args, dataclass_from_args, option
+from shared.cores import CoresConfig, place_process
 from shared.logs import LogConfig, configure_logging
 from shared.protocol import (
     GATEWAY_HEARTBEAT,
@@ -145,6 +146,7 @@ class Service:
 
     kind = "service"
     holds_requests = False  # then it drops the requests of a gateway that went away
+    computes = False  # runs torch and the CPU kernels (their threads follow --threads)
 
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
@@ -309,13 +311,18 @@ def service_main(
         prog=f"python -m services.{service_cls.kind}",
         formatter_class=HelpFormatter,
     )
-    for cls in [ServiceConfig, LogConfig, *config_classes]:
+    for cls in [ServiceConfig, LogConfig, CoresConfig, *config_classes]:
         add_dataclass_args(parser, cls)
     args = parser.parse_args(argv)
     try:
         logs = dataclass_from_args(LogConfig, args)
         # Lines name the instance where `specmesh up` names it (decode-0), else the kind.
         configure_logging(args.instance_id or service_cls.kind, logs.log_level, logs.log_format)
+        threads = place_process(dataclass_from_args(CoresConfig, args))
+        if service_cls.computes:  # before its model loads: every compute thread starts later
+            from kernels.cpu import set_num_threads
+
+            set_num_threads(threads)
         configs: list[Any] = [dataclass_from_args(cls, args) for cls in config_classes]
         service_cls(dataclass_from_args(ServiceConfig, args), *configs).serve()
     except (ValueError, ConnectionError) as exc:  # bad options, unreachable servers
@@ -324,6 +331,8 @@ def service_main(
 
 class EngineService(Service):
     """A service whose main thread runs an engine's step loop (prefill, decode)."""
+
+    computes = True
 
     driver: AsyncEngine
     engine: LLMEngine

@@ -50,6 +50,7 @@ from services.gateway.config import GatewayConfig
 from services.tokenizer.config import TokenizerConfig
 from shared.bus import Bus, NatsAuth
 from shared.config import env_name
+from shared.cores import CoresConfig
 from shared.engine.engine import EngineConfig
 from shared.infra import ServerProcess, free_port, start_nats, start_valkey
 from shared.logs import LogConfig
@@ -74,6 +75,7 @@ INFRA = ("nats", "valkey", "otel-collector", "jaeger", "prometheus", "grafana")
 CONFIGS = [
     ServiceConfig,
     LogConfig,
+    CoresConfig,
     GatewayConfig,
     TokenizerConfig,
     EngineConfig,
@@ -256,6 +258,26 @@ def test_compose_environment_is_wired() -> None:
     nats = services["nats"]
     assert "./deploy/nats.conf:/etc/nats/nats.conf:ro" in nats["volumes"]
     assert nats["command"][-1] == "/etc/nats/nats.conf"
+
+
+def test_compose_and_nomad_size_threads_to_each_services_cpus() -> None:
+    """Threads beyond a container's CPU limit are throttled; fewer leave its CPUs idle."""
+    services = _compose()["services"]
+    groups = _blocks(_blocks(_hcl("specmesh.nomad.hcl")["job"])["specmesh"]["group"])
+    for name in SERVICES:
+        env, limits = services[name]["environment"], services[name]["deploy"]["resources"]
+        threads, cpus = (
+            _default(v) if v.startswith("${") else v
+            for v in (env["SPECMESH_THREADS"], limits["limits"]["cpus"])
+        )
+        assert threads == cpus, name
+        (task,) = _blocks(groups[name]["task"]).values()
+        reserved = task["resources"][0]["cpu"] // 1000
+        assert int(task["env"][0]["SPECMESH_THREADS"]) == reserved, name
+    # On a contended host decode's steps keep their share before other containers'.
+    assert services["decode"]["cpu_shares"] > max(
+        services[name].get("cpu_shares", 1024) for name in SERVICES if name != "decode"
+    )
 
 
 def test_compose_has_no_default_passwords() -> None:

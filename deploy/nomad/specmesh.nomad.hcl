@@ -155,6 +155,7 @@ job "specmesh" {
         SPECMESH_INSTANCE_ID        = "gateway-${NOMAD_SHORT_ALLOC_ID}"
         SPECMESH_NATS_URL           = var.nats_url
         SPECMESH_NATS_USER          = "gateway"
+        SPECMESH_THREADS            = "1" # as many as its reserved cpu (MHz / 1000)
         SPECMESH_NATS_PASSWORD_FILE = "${NOMAD_SECRETS_DIR}/nats_password"
         SPECMESH_HOST               = "0.0.0.0"
         SPECMESH_PORT               = "8000"
@@ -230,6 +231,7 @@ job "specmesh" {
         SPECMESH_INSTANCE_ID        = "tokenizer-${NOMAD_SHORT_ALLOC_ID}"
         SPECMESH_NATS_URL           = var.nats_url
         SPECMESH_NATS_USER          = "tokenizer"
+        SPECMESH_THREADS            = "1" # as many as its reserved cpu (MHz / 1000)
         SPECMESH_NATS_PASSWORD_FILE = "${NOMAD_SECRETS_DIR}/nats_password"
         SPECMESH_METRICS_HOST       = "0.0.0.0"
         SPECMESH_METRICS_PORT       = "9100"
@@ -305,6 +307,7 @@ job "specmesh" {
         SPECMESH_INSTANCE_ID         = "prefill-${NOMAD_SHORT_ALLOC_ID}"
         SPECMESH_NATS_URL            = var.nats_url
         SPECMESH_NATS_USER           = "prefill"
+        SPECMESH_THREADS             = "4" # as many as its reserved cpu (MHz / 1000)
         SPECMESH_NATS_PASSWORD_FILE  = "${NOMAD_SECRETS_DIR}/nats_password"
         SPECMESH_KV_TRANSPORT        = "redis"
         SPECMESH_REDIS_URL           = var.redis_url
@@ -397,6 +400,7 @@ job "specmesh" {
         SPECMESH_INSTANCE_ID           = "decode-${NOMAD_SHORT_ALLOC_ID}"
         SPECMESH_NATS_URL              = var.nats_url
         SPECMESH_NATS_USER             = "decode"
+        SPECMESH_THREADS               = "4" # as many as its reserved cpu (MHz / 1000)
         SPECMESH_NATS_PASSWORD_FILE    = "${NOMAD_SECRETS_DIR}/nats_password"
         SPECMESH_KV_TRANSPORT          = "redis"
         SPECMESH_REDIS_URL             = var.redis_url
@@ -489,6 +493,7 @@ job "specmesh" {
         SPECMESH_INSTANCE_ID           = "drafter-${NOMAD_SHORT_ALLOC_ID}"
         SPECMESH_NATS_URL              = var.nats_url
         SPECMESH_NATS_USER             = "drafter"
+        SPECMESH_THREADS               = "2" # as many as its reserved cpu (MHz / 1000)
         SPECMESH_NATS_PASSWORD_FILE    = "${NOMAD_SECRETS_DIR}/nats_password"
         SPECMESH_SPECULATIVE_ALGORITHM = var.speculative_algorithm
         SPECMESH_SPECULATIVE_DRAFT_MODEL_PATH = var.speculative_draft_model_path

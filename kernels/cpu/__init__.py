@@ -1,7 +1,7 @@
 """C++ CPU kernels (`matmul.cpp`: matmuls over column-blocked weights; `decoder.cpp`: the
-fused decoder step), compiled on first use by torch's extension builder and
-cached under ~/.cache/torch_extensions. Without a compiler or AVX2 they are simply absent
-and the model runs its plain torch path."""
+fused decoder step; `pool.cpp`: the thread pool both run their jobs on), compiled on first
+use by torch's extension builder and cached under ~/.cache/torch_extensions. Without a
+compiler or AVX2 they are simply absent and the model runs its plain torch path."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
+SOURCES = ("decoder.cpp", "matmul.cpp", "pool.cpp")
+
 
 @functools.cache
 def load() -> ModuleType | None:
@@ -23,12 +25,21 @@ def load() -> ModuleType | None:
     from torch.utils.cpp_extension import load as build
 
     try:
-        return build(
+        module = build(
             name="specmesh_cpu",
-            sources=[str(Path(__file__).with_name(f)) for f in ("decoder.cpp", "matmul.cpp")],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
+            sources=[str(Path(__file__).with_name(f)) for f in SOURCES],
+            extra_cflags=["-O3", "-mavx2", "-mfma"],
         )
     except Exception as exc:  # no compiler, no headers: the torch path still works
         log.warning("CPU kernels unavailable, using the torch path: %s", exc)
         return None
+    module.set_num_threads(torch.get_num_threads())
+    return module
+
+
+def set_num_threads(threads: int) -> None:
+    """Compute threads of this process: torch's CPU ops and the kernels' pool alike."""
+    torch.set_num_threads(threads)
+    kernel = load()
+    if kernel is not None:
+        kernel.set_num_threads(threads)

@@ -4,7 +4,6 @@
 // column blocks (matmul.cpp); everything between them (norms, RoPE, KV writes, paged
 // attention reading the cache in place, SiLU, residuals) runs here in C++, so a step has
 // no Python and no per-op dispatch between the layers' matmuls.
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
@@ -12,6 +11,7 @@
 #include <vector>
 
 #include "matmul.h"
+#include "pool.h"
 
 namespace {
 
@@ -126,9 +126,11 @@ class Decoder {
                normed.data_ptr<float>());
       Tensor gate_up = blocked_linear(normed, l.gate_up, 2 * inter, l.gate_up_bias, std::nullopt);
       const float* gp = gate_up.data_ptr<float>();
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t j = 0; j < inter; ++j)
-          ap[r * inter + j] = silu(gp[r * 2 * inter + j]) * gp[r * 2 * inter + inter + j];
+      parallel_jobs(rows, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r)
+          for (int64_t j = 0; j < inter; ++j)
+            ap[r * inter + j] = silu(gp[r * 2 * inter + j]) * gp[r * 2 * inter + inter + j];
+      });
       h = blocked_linear(act, l.down, hidden_, l.down_bias, h);
       for (size_t a = 0; a < aux_layers.size(); ++a)
         if (aux_layers[a] == static_cast<int64_t>(i)) out[1 + a] = h;
@@ -146,7 +148,7 @@ class Decoder {
                  float* out) const {
     const int64_t group = heads_ / kv_heads_, kv_size = kv_heads_ * dim_;
     const float scale = 1.f / std::sqrt(static_cast<float>(dim_));
-    at::parallel_for(0, s.count * heads_, 1, [&](int64_t begin, int64_t end) {
+    parallel_jobs(s.count * heads_, [&](int64_t begin, int64_t end) {
       std::vector<float> p;
       for (int64_t job = begin; job < end; ++job) {
         const int64_t* span = s.table + (job / heads_) * 5;
@@ -194,4 +196,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("block_weight", &block_weight);
   m.def("blocked_linear", &blocked_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("set_num_threads", &set_num_threads);
+  m.def("get_num_threads", &get_num_threads);
 }

@@ -5,12 +5,13 @@
 // registers, 2 weight loads and 6 broadcasts per k).
 #include "matmul.h"
 
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <sys/mman.h>
 
 #include <algorithm>
 #include <cstdlib>
+
+#include "pool.h"
 
 namespace {
 
@@ -148,8 +149,8 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& blocke
   const float* rp = residual ? residual->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t chunks = (m + JOB_ROWS - 1) / JOB_ROWS;
-  // Jobs run block-major, so one thread's consecutive row chunks reuse a cached block.
-  at::parallel_for(0, blocks * chunks, 1, [&](int64_t begin, int64_t end) {
+  // Jobs run block-major, so consecutive jobs of one claim reuse a cached block.
+  parallel_jobs(blocks * chunks, [&](int64_t begin, int64_t end) {
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / chunks, col = b * COLS, first = (job % chunks) * JOB_ROWS;
       // Even tiles (8 rows: 4 + 4, not 6 + 2): a tile of few rows has too few

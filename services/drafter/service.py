@@ -43,6 +43,7 @@ T = TypeVar("T")
 
 class DrafterService(Service):
     kind = "drafter"
+    computes = True
 
     def __init__(self, cfg: ServiceConfig, dcfg: DrafterConfig, spec: SpeculativeConfig) -> None:
         super().__init__(cfg)

@@ -1,0 +1,226 @@
+"""Serving beside a busy neighbour: quiet vs one busy loop at nice 19 vs one at nice 0.
+
+    python benchmarks/bench_cotenancy.py [--model DIR] [--new-tokens 128] [--runs 3]
+        [--setups engine,services,EAGLE3,NGRAM,llama.cpp] [--llama-server PATH --gguf FILE]
+
+The neighbour is what a user starts in another terminal: `nice -n N python3 -c "while
+True: pass"` in a session of its own (so, where the kernel groups sessions, it competes
+with the whole deployment, not with one of its processes). Setups, each started once and
+measured under every condition in turn (quiet, nice 19, nice 0, then again for `--runs`):
+
+- `engine`: the in-process engine (LLMEngine in this process, no services);
+- `services`: `specmesh up`, no speculation; `EAGLE3`, `NGRAM`: `specmesh up` with that
+  drafter (EAGLE-3: the head that ships for the default model);
+- `llama.cpp`: llama.cpp's `llama-server -t <cores> -np 8` on an F32 GGUF of the same model
+  (`benchmarks/peers/llama_cpp.sh` builds both and prints their paths, which this script
+  runs when `--llama-server` is not given).
+
+Each setup answers the held-out chat prompts greedily, `--new-tokens` tokens each
+(ignore_eos), one at a time (c=1: the first 4 prompts) and eight at once (c=8: 8 prompts).
+It prints generated tokens/s per condition (medians over the runs) and the share of the
+quiet speed each busy condition keeps (ratios within a run, then their median).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from deployment import specmesh_up  # noqa: E402
+
+from shared.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from shared.infra import free_port, start_nats  # noqa: E402
+from shared.model.fetch import fetch_default_model  # noqa: E402
+from shared.sampling.params import SamplingParams  # noqa: E402
+from shared.tokenizer import Tokenizer  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+CHAT = json.loads((HERE / "prompts" / "chat_heldout.json").read_text())
+CONDITIONS = {"quiet": None, "nice 19": 19, "nice 0": 0}
+CONCURRENCY = {1: CHAT[:4], 8: CHAT[:8]}
+SETUPS = ("engine", "services", "EAGLE3", "NGRAM", "llama.cpp")
+
+# tokens/s of one setup at one concurrency
+Measure = Callable[[int], float]
+
+
+@contextlib.contextmanager
+def busy_loop(nice: int | None) -> Iterator[None]:
+    """One busy process at `nice` in a session of its own while the block runs."""
+    if nice is None:
+        yield
+        return
+    loop = [sys.executable, "-c", "while True: pass"]
+    proc = subprocess.Popen(["nice", "-n", str(nice), *loop], start_new_session=True)
+    try:
+        time.sleep(0.5)  # let the scheduler see it
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def over_http(url: str, concurrency: int, new_tokens: int) -> float:
+    """Generated tokens/s of the chat prompts sent `concurrency` at a time."""
+
+    def one(prompt: str) -> int:
+        body = {
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0,
+            "max_tokens": new_tokens,
+            "ignore_eos": True,
+        }
+        response = client.post(f"{url}/v1/chat/completions", json=body)
+        response.raise_for_status()
+        return response.json()["usage"]["completion_tokens"]
+
+    with httpx.Client(timeout=1800) as client:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            tokens = sum(pool.map(one, CONCURRENCY[concurrency]))
+        return tokens / (time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def engine_setup(model: Path, new_tokens: int) -> Iterator[Measure]:
+    engine = LLMEngine(EngineConfig(model=str(model), kv_cache_gb=0.5, max_num_seqs=8))
+    tok = Tokenizer(model)
+    ids = {
+        c: [tok.encode_chat([{"role": "user", "content": p}]) for p in ps]
+        for c, ps in CONCURRENCY.items()
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+
+    def measure(concurrency: int) -> float:
+        start = time.perf_counter()
+        batches = [
+            ids[concurrency][i : i + concurrency]
+            for i in range(0, len(ids[concurrency]), concurrency)
+        ]
+        tokens = sum(len(out) for batch in batches for out in engine.generate(batch, params))
+        return tokens / (time.perf_counter() - start)
+
+    yield measure
+
+
+@contextlib.contextmanager
+def services_setup(model: Path, new_tokens: int, *up: str) -> Iterator[Measure]:
+    with start_nats() as bus, specmesh_up(model, *up, "--nats-url", bus.url) as url:
+        yield lambda c: over_http(url, c, new_tokens)
+
+
+@contextlib.contextmanager
+def llama_cpp_setup(server: str, gguf: str, new_tokens: int) -> Iterator[Measure]:
+    port = free_port()
+    cores = str(len(os.sched_getaffinity(0)))
+    argv = [server, "-m", gguf, "--port", str(port), "-t", cores, "-np", "8", "-c", "8192"]
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 120
+            while not _ready(url):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise RuntimeError(f"llama-server did not start:\n{log.read().decode()}")
+                time.sleep(0.5)
+            yield lambda c: over_http(url, c, new_tokens)
+        finally:
+            proc.terminate()
+            proc.wait()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def llama_cpp_paths(model: Path) -> tuple[str, str]:
+    """Build (or find, cached) llama-server and the F32 GGUF with the peer script."""
+    script = HERE / "peers" / "llama_cpp.sh"
+    env = {**os.environ, "PYTHON": sys.executable}
+    out = subprocess.run([str(script), str(model)], env=env, check=True, capture_output=True)
+    found = dict(line.split("=", 1) for line in out.stdout.decode().split())
+    return found["LLAMA_SERVER"], found["GGUF"]
+
+
+def measure_setup(measure: Measure, runs: int) -> dict[tuple[str, int], list[float]]:
+    """tokens/s per (condition, concurrency), one entry per run."""
+    for c in CONCURRENCY:  # warm-up: compiled paths, caches, first-request costs
+        measure(c)
+    rates: dict[tuple[str, int], list[float]] = {}
+    for _ in range(runs):
+        for condition, nice in CONDITIONS.items():
+            with busy_loop(nice):
+                for c in CONCURRENCY:
+                    rates.setdefault((condition, c), []).append(measure(c))
+    return rates
+
+
+def report(name: str, rates: dict[tuple[str, int], list[float]]) -> None:
+    for c in CONCURRENCY:
+        quiet = rates[("quiet", c)]
+        cells = [f"{statistics.median(quiet):>7.1f}"]
+        for condition in list(CONDITIONS)[1:]:
+            busy = rates[(condition, c)]
+            kept = statistics.median(b / q for b, q in zip(busy, quiet, strict=True))
+            cells.append(f"{statistics.median(busy):>7.1f} ({kept:>4.0%})")
+        print(f"{name:<10} {c:>4}  " + "  ".join(cells), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--setups", default=",".join(SETUPS))
+    parser.add_argument("--llama-server", default=None)
+    parser.add_argument("--gguf", default=None)
+    args = parser.parse_args()
+    model = Path(args.model) if args.model else fetch_default_model()
+    n = args.new_tokens
+    setups = {
+        "engine": lambda: engine_setup(model, n),
+        "services": lambda: services_setup(model, n),
+        "EAGLE3": lambda: services_setup(model, n, "--speculative-algorithm", "EAGLE3"),
+        "NGRAM": lambda: services_setup(model, n, "--speculative-algorithm", "NGRAM"),
+        "llama.cpp": lambda: llama_cpp_setup(*_llama_cpp(args, model), n),
+    }
+    chosen = args.setups.split(",")
+    if unknown := set(chosen) - set(setups):
+        parser.error(f"unknown setups {sorted(unknown)}; choose from {list(setups)}")
+    print(
+        f"{len(os.sched_getaffinity(0))} cores; {n} tokens per request, greedy; "
+        f"medians of {args.runs} runs; (kept) = busy / quiet within a run"
+    )
+    print(f"{'setup':<10} {'conc':>4}  {'quiet':>7}  {'nice 19':>14}  {'nice 0':>14}  (tok/s)")
+    for name in chosen:
+        with setups[name]() as measure:
+            report(name, measure_setup(measure, args.runs))
+
+
+def _llama_cpp(args: argparse.Namespace, model: Path) -> tuple[str, str]:
+    if args.llama_server and args.gguf:
+        return args.llama_server, args.gguf
+    return llama_cpp_paths(model)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+// The kernels' own thread pool. OpenMP splits a loop into one fixed share per thread and
+// waits at its end for every thread, so one thread the OS has not scheduled (a busy
+// neighbour on its core) stalls the whole step once per parallel region. Here jobs are
+// claimed one at a time: a thread that is not running simply claims none, and a region
+// ends when its jobs are done, whoever did them.
+#pragma once
+#include <cstdint>
+#include <functional>
+
+// fn(begin, end) over ranges that together cover the jobs [0, jobs) once, on the calling
+// thread and the pool's workers.
+void parallel_jobs(int64_t jobs, const std::function<void(int64_t, int64_t)>& fn);
+
+// Threads that run jobs, the caller included (>= 1). Changing it restarts the workers.
+void set_num_threads(int64_t threads);
+int64_t get_num_threads();
