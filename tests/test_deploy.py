@@ -601,6 +601,7 @@ def test_secrets_come_from_flags_environment_or_files(
 
         class Capture:  # stands in for a service class: records its configs, runs nothing
             kind = "capture"
+            computes = False
 
             def __init__(self, *cfgs: Any) -> None:
                 configs.extend(cfgs)
