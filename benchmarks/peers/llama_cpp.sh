@@ -34,7 +34,11 @@ fi
 MODEL_DIR="${1:-$HOME/.cache/specmesh/models/SmolLM2-135M-Instruct}"
 GGUF="$ROOT/$(basename "$MODEL_DIR")-F32.gguf"
 if [ ! -s "$GGUF" ]; then
-  "$PY" "$SRC/convert_hf_to_gguf.py" "$MODEL_DIR" --outtype f32 --outfile "$GGUF" >&2
+  # The converter imports sentencepiece, which specmesh does not need: it goes beside the
+  # build, not into $PYTHON's environment (which supplies torch, transformers and numpy).
+  [ -d "$ROOT/pydeps/sentencepiece" ] || "$PY" -m pip install -q --target "$ROOT/pydeps" sentencepiece >&2
+  PYTHONPATH="$ROOT/pydeps" "$PY" "$SRC/convert_hf_to_gguf.py" "$MODEL_DIR" --outtype f32 \
+    --outfile "$GGUF" >&2
 fi
 echo "LLAMA_SERVER=$SERVER"
 echo "GGUF=$GGUF"
