@@ -1,8 +1,4 @@
-"""specmesh's shared code. Set here, before any of its modules loads torch: torch's OpenMP
-threads sleep as soon as a parallel region ends. Spinning, they took the cores that the
-CPU kernels' pool and the other services' threads were waiting for (a process that loaded
-torch before importing specmesh keeps its own setting)."""
+"""specmesh's shared code. `kernels` is imported first: it sets OpenMP's wait policy, which
+only takes effect before torch loads."""
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import kernels  # noqa: F401
