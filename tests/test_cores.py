@@ -100,22 +100,22 @@ def test_a_cpu_the_machine_lacks_is_a_clear_error() -> None:
         place_process(CoresConfig(cpus="4096"))
 
 
-def _kernel():  # noqa: ANN202 - the compiled module
-    kernel = load_cpu_kernels()
-    if kernel is None:
-        pytest.skip("no compiled CPU kernels here")
-    return kernel
+# As in test_model_ops: where the kernels do not build, the pool does not exist either.
+needs_kernels = pytest.mark.skipif(
+    load_cpu_kernels() is None, reason="the CPU kernels do not build here"
+)
 
 
 @pytest.fixture
 def kernel():  # noqa: ANN201
-    module = _kernel()
+    module = load_cpu_kernels()
     before = module.get_num_threads()
     yield module
     module.set_num_threads(before)
 
 
 @pytest.mark.unit
+@needs_kernels
 @pytest.mark.parametrize("threads", [1, 2, 3, 5])
 def test_the_pool_computes_every_column_once_at_any_thread_count(kernel, threads: int) -> None:
     kernel.set_num_threads(threads)
@@ -130,6 +130,7 @@ def test_the_pool_computes_every_column_once_at_any_thread_count(kernel, threads
 
 
 @pytest.mark.unit
+@needs_kernels
 def test_the_pool_serves_callers_on_several_threads_at_once(kernel) -> None:
     kernel.set_num_threads(2)
     weight = torch.randn(512, 64)
@@ -183,8 +184,8 @@ finally:
 
 
 @pytest.mark.unit
+@needs_kernels
 def test_the_pool_survives_a_fork_and_a_busy_neighbour() -> None:
-    _kernel()
     out = subprocess.run(
         [sys.executable, "-c", POOL_SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
