@@ -30,7 +30,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -42,9 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from deployment import specmesh_up  # noqa: E402
+from peers.llama_cpp import llama_cpp_paths, llama_server  # noqa: E402
 
 from shared.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from shared.infra import free_port, start_nats  # noqa: E402
+from shared.infra import start_nats  # noqa: E402
 from shared.model.fetch import fetch_default_model  # noqa: E402
 from shared.sampling.params import SamplingParams  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
@@ -126,39 +126,8 @@ def services_setup(model: Path, new_tokens: int, *up: str) -> Iterator[Measure]:
 
 @contextlib.contextmanager
 def llama_cpp_setup(server: str, gguf: str, new_tokens: int) -> Iterator[Measure]:
-    port = free_port()
-    cores = str(len(os.sched_getaffinity(0)))
-    argv = [server, "-m", gguf, "--port", str(port), "-t", cores, "-np", "8", "-c", "8192"]
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 120
-            while not _ready(url):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    raise RuntimeError(f"llama-server did not start:\n{log.read().decode()}")
-                time.sleep(0.5)
-            yield lambda c: over_http(url, c, new_tokens)
-        finally:
-            proc.terminate()
-            proc.wait()
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def llama_cpp_paths(model: Path) -> tuple[str, str]:
-    """Build (or find, cached) llama-server and the F32 GGUF with the peer script."""
-    script = HERE / "peers" / "llama_cpp.sh"
-    env = {**os.environ, "PYTHON": sys.executable}
-    out = subprocess.run([str(script), str(model)], env=env, check=True, capture_output=True)
-    found = dict(line.split("=", 1) for line in out.stdout.decode().split())
-    return found["LLAMA_SERVER"], found["GGUF"]
+    with llama_server(server, gguf, "-np", "8", "-c", "8192") as url:
+        yield lambda c: over_http(url, c, new_tokens)
 
 
 def measure_setup(measure: Measure, runs: int) -> dict[tuple[str, int], list[float]]:

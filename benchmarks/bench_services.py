@@ -1,17 +1,18 @@
 """The disaggregation tax: the five-service pipeline vs the in-process engine, one run.
 
     python benchmarks/bench_services.py [--model DIR] [--new-tokens 64] [--runs 5]
-        [--algorithm NGRAM] [--kv-transport shm]
+        [--algorithm NGRAM|EAGLE3|...|none] [--kv-transport shm]
 
 Same prompts (bench_speculative's rewrite set), same algorithm, greedy, every
 request `--new-tokens` long (ignore_eos, as serving benchmarks do: at concurrency 8
 all eight stay in the batch to the end instead of one long answer decoding alone).
 For concurrency 1 (one request at a time) and 8 (eight at once) it prints
 generated tokens/s of: the in-process engine (LLMEngine, no HTTP), and
-`specmesh up` with overlap on and off (each service its own process, over NATS
-and the KV transport, requests over HTTP); and the ratios. Every measurement
+`specmesh up` with overlap on and off (`--algorithm none`: once, without speculation;
+each service its own process, over NATS and the KV transport, requests over HTTP);
+and the ratios. Every measurement
 starts fresh (a new engine, a new deployment), so no n-gram trie or prefix
-cache remembers an earlier pass; the three setups run back to back, ratios
+cache remembers an earlier pass; the setups run back to back, ratios
 are taken within a run, and the medians of `--runs` are printed. Outputs are
 checked to be equal everywhere."""
 
@@ -80,12 +81,11 @@ def over_http(
     return sum(n for _, n in results) / seconds, [text for text, _ in results]
 
 
-SERVICES = {"services overlap": "--overlap", "services no-overlap": "--no-overlap"}
-SETUPS = ("in-process", *SERVICES)
+OVERLAP = {"services overlap": "--overlap", "services no-overlap": "--no-overlap"}
 
 
 def run_in_process(
-    model: Path, algorithm: str, ids: list[list[int]], new_tokens: int, concurrency: int
+    model: Path, algorithm: str | None, ids: list[list[int]], new_tokens: int, concurrency: int
 ) -> tuple[float, list[list[int]]]:
     spec = SpeculativeConfig(speculative_algorithm=algorithm)
     engine = LLMEngine(EngineConfig(model=str(model), kv_cache_gb=0.5), spec)
@@ -106,38 +106,44 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=5)  # runs differ by up to ~15% here
-    parser.add_argument("--algorithm", default="NGRAM")
+    parser.add_argument("--algorithm", default="NGRAM", help="none: no speculation")
     parser.add_argument("--kv-transport", default="shm", choices=["shm", "redis"])
     args = parser.parse_args()
     model = Path(args.model) if args.model else fetch_default_model()
     tok = Tokenizer(model)
     prompts = REWRITE
     ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
-    up = ["--speculative-algorithm", args.algorithm, "--kv-transport", args.kv_transport]
+    algorithm = None if args.algorithm.lower() == "none" else args.algorithm
+    up = ["--kv-transport", args.kv_transport]
+    services = {"services": []}  # without speculation there is nothing to overlap
+    if algorithm is not None:
+        up += ["--speculative-algorithm", algorithm]
+        services = {name: [flag] for name, flag in OVERLAP.items()}
+    setups = ("in-process", *services)
     rates: dict[tuple[str, int], list[float]] = {}
     for run in range(args.runs):
         for c in CONCURRENCY:
-            rate, outputs = run_in_process(model, args.algorithm, ids, args.new_tokens, c)
+            rate, outputs = run_in_process(model, algorithm, ids, args.new_tokens, c)
             rates.setdefault(("in-process", c), []).append(rate)
             expected = [tok.decode(o) for o in outputs]
-            for name, flag in SERVICES.items():
-                rate, texts = run_services(model, [*up, flag], prompts, args.new_tokens, c)
+            for name, flags in services.items():
+                rate, texts = run_services(model, [*up, *flags], prompts, args.new_tokens, c)
                 rates.setdefault((name, c), []).append(rate)
                 if texts != expected:
                     print(f"WARNING: {name} c={c}: output differs from the in-process engine")
-            line = "  ".join(f"{name} {rates[(name, c)][-1]:.1f}" for name in SETUPS)
+            line = "  ".join(f"{name} {rates[(name, c)][-1]:.1f}" for name in setups)
             print(f"run {run + 1} c={c}: {line} tok/s", flush=True)
 
     print(
         f"\n{args.algorithm}, {len(prompts)} prompts, {args.new_tokens} tokens, greedy, "
         f"{args.kv_transport} transport; median of {args.runs} runs, each from a fresh start"
     )
-    label = max(map(len, SERVICES)) + len(" / in-proc") + 2  # the widest row name
+    label = max(map(len, services)) + len(" / in-proc") + 2  # the widest row name
     print(f"{'tok/s':<{label}}" + "".join(f"{'c=' + str(c):>12}" for c in CONCURRENCY))
-    for name in SETUPS:
+    for name in setups:
         medians = (statistics.median(rates[(name, c)]) for c in CONCURRENCY)
         print(f"{name:<{label}}" + "".join(f"{m:>12.1f}" for m in medians))
-    for name in SERVICES:
+    for name in services:
         # Ratios within each run (the setups ran back to back), then their median.
         ratios = (
             statistics.median(

@@ -23,7 +23,15 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
 from shared.config import option, secret_option
-from shared.protocol import ErrorReply, ProtocolError, RemoteError, decode, encode, inbox_prefix
+from shared.protocol import (
+    ErrorReply,
+    PayloadTooLarge,
+    ProtocolError,
+    RemoteError,
+    decode,
+    encode,
+    inbox_prefix,
+)
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("specmesh.bus")
@@ -123,8 +131,9 @@ class Bus:
         with tracer.start_as_current_span(
             f"request {subject}", context=ctx, kind=trace.SpanKind.CLIENT
         ):
+            data = self._fitting(msg)
             try:
-                reply = await self.nc.request(subject, encode(msg), timeout, headers=_headers(None))
+                reply = await self.nc.request(subject, data, timeout, headers=_headers(None))
             except nats.errors.NoRespondersError as exc:
                 raise NoResponders(f"no service answers on {subject}") from exc
             except nats.errors.TimeoutError as exc:
@@ -136,7 +145,15 @@ class Bus:
     async def publish(
         self, subject: str, msg: Any, ctx: otel_context.Context | None = None
     ) -> None:
-        await self.nc.publish(subject, encode(msg), headers=_headers(ctx))
+        await self.nc.publish(subject, self._fitting(msg), headers=_headers(ctx))
+
+    def _fitting(self, msg: Any) -> bytes:
+        """`msg` encoded; PayloadTooLarge if NATS would refuse it (the server's limit)."""
+        data = encode(msg)
+        if len(data) > self.nc.max_payload:
+            name, limit = type(msg).__name__, self.nc.max_payload
+            raise PayloadTooLarge(f"{name} of {len(data)} bytes is over the bus's {limit}")
+        return data
 
     async def serve(
         self, subject: str, handler: Handler, queue: str = "", concurrent: bool = False
@@ -153,7 +170,9 @@ class Bus:
             ):
                 try:
                     reply = await handler(decode(raw.data))
-                except (ValueError, ProtocolError) as exc:
+                except ProtocolError as exc:
+                    reply = ErrorReply(message=str(exc), status=exc.status)
+                except ValueError as exc:
                     reply = ErrorReply(message=str(exc), status=400)
                 except RemoteError as exc:
                     reply = ErrorReply(message=str(exc), status=exc.status)
@@ -161,7 +180,7 @@ class Bus:
                     log.exception("handler for %s failed", subject)
                     reply = ErrorReply(message=f"{type(exc).__name__}: {exc}", status=500)
                 if raw.reply and reply is not None:
-                    await raw.respond(encode(reply))
+                    await raw.respond(self._reply_data(reply))
 
         async def spawn(raw: Msg) -> None:
             task = asyncio.create_task(handle(raw))
@@ -170,6 +189,13 @@ class Bus:
 
         callback = spawn if concurrent else handle
         self._subscriptions.append(await self.nc.subscribe(subject, queue=queue, cb=callback))
+
+    def _reply_data(self, reply: Any) -> bytes:
+        """The encoded reply, or an ErrorReply saying it was too large to send."""
+        try:
+            return self._fitting(reply)
+        except PayloadTooLarge as exc:
+            return encode(ErrorReply(message=f"the reply is too large: {exc}", status=exc.status))
 
     async def stop_serving(self, subject: str) -> None:
         """Take no more messages on `subject` (a queue group's others get them)."""

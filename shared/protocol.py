@@ -105,7 +105,15 @@ def _permissions(user: str) -> dict[str, Any]:
 
 
 class ProtocolError(ValueError):
-    pass
+    """A value no message can carry; `status` is the HTTP status it answers."""
+
+    status = 400
+
+
+class PayloadTooLarge(ProtocolError):
+    """An encoded message over the bus's largest payload."""
+
+    status = 413
 
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
@@ -151,6 +159,7 @@ class TokenizeRequest(Message, kw_only=True):
     output_subject: str = ""  # the gateway's: its requests end if it goes away
     # Encoded images (PNG, JPEG, WebP), one per image placeholder in `messages`, in order.
     images: list[bytes] | None = None
+    max_tokens: Count | None = None  # the context: a longer prompt is refused, early if it can
 
 
 class TokenizeReply(Message, kw_only=True):

@@ -112,6 +112,20 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest text a token stands for: n tokens hold at most n times this."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)))
+
+    def check_fits(self, text: str, max_tokens: int | None) -> None:
+        """ValueError if `text` is surely longer than `max_tokens` tokens (it is refused
+        without the time and memory that encoding a huge text takes)."""
+        if max_tokens is not None and len(text) > max_tokens * self.max_token_chars:
+            raise ValueError(
+                f"the prompt ({len(text)} characters) is longer than the model's context of "
+                f"{max_tokens} tokens can hold"
+            )
+
     def check_ids(self, ids: list[int]) -> None:
         """ValueError unless every id is in the vocabulary."""
         if not all(0 <= i < self.vocab_size for i in ids):

@@ -106,8 +106,10 @@ def test_can_allocate_counts_free_cached_blocks_and_the_reserve() -> None:
     assert manager.can_grow(s, 3) and not manager.can_grow(s, 4)
 
 
-def scheduler(num_blocks: int, max_seqs: int = 8, budget: int = 64) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, BLOCK), max_seqs, budget)
+def scheduler(
+    num_blocks: int, max_seqs: int = 8, budget: int = 64, policy: str = "fair"
+) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, BLOCK), max_seqs, budget, policy)
 
 
 def run(sched: Scheduler) -> list[tuple[str, int]]:
@@ -130,6 +132,52 @@ def test_long_prompts_are_prefilled_in_chunks_beside_decodes() -> None:
     assert run(sched) == [("short", 1), ("long", 7)]
     assert run(sched) == [("short", 1), ("long", 6)]
     assert run(sched) == [("short", 1), ("long", 1)]
+
+
+def test_fair_lets_a_short_prompt_pass_a_long_one_and_fcfs_does_not() -> None:
+    for policy, steps_to_first_token in (("fair", 1), ("fcfs", 4)):
+        sched = scheduler(num_blocks=32, budget=8, policy=policy)
+        sched.add(seq("long", range(30)))
+        assert run(sched) == [("long", 8)]
+        short = seq("short", range(40, 43))
+        sched.add(short)
+        steps = 0
+        while short.num_computed_tokens < 3:
+            batch = dict(run(sched))
+            assert sum(batch.values()) <= 8
+            steps += 1
+        assert steps == steps_to_first_token, policy
+    # Fair: the short one takes what it needs, the long one the rest; then it decodes
+    # beside the long one's chunks.
+    sched = scheduler(num_blocks=32, budget=8)
+    sched.add(seq("long", range(30)))
+    run(sched)
+    sched.add(seq("short", range(40, 43)))
+    assert run(sched) == [("long", 5), ("short", 3)]
+    assert run(sched) == [("short", 1), ("long", 7)]
+
+
+def test_fair_shares_evenly_between_long_prompts() -> None:
+    sched = scheduler(num_blocks=64, budget=9)
+    for name in "abc":
+        sched.add(seq(name, range(100, 120)))
+    assert run(sched) == [("a", 3), ("b", 3), ("c", 3)]
+    assert run(sched) == [("a", 3), ("b", 3), ("c", 3)]
+
+
+def test_an_unknown_schedule_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="schedule policy"):
+        scheduler(num_blocks=4, policy="random")
+
+
+def test_lpm_admits_the_longest_cached_prefix_first() -> None:
+    sched = scheduler(num_blocks=32, max_seqs=2, policy="lpm")
+    sched.add(seq("first", range(9)))
+    run(sched)  # its first two blocks are sealed in the prefix cache
+    sched.remove(sched.running[0])
+    sched.add(seq("other", range(50, 59)))
+    sched.add(seq("again", range(9)))
+    assert [name for name, _ in run(sched)] == ["again", "other"]
 
 
 def test_admission_stops_at_max_num_seqs_and_keeps_arrival_order() -> None:

@@ -93,6 +93,7 @@ class DecodeService(EngineService):
             self.engine.kv_cache, self.transport, fingerprint, tcfg.kv_ttl, self.kind
         )
         self.driver = AsyncEngine(self.engine, own_thread=False)
+        self.engine.grammars.start()  # its process, now rather than at the first grammar
         self.stream_interval = dcfg.stream_interval
         self.model_name = model_name_of(ecfg.model)
         self.kv_description = kv_description(
@@ -149,7 +150,7 @@ class DecodeService(EngineService):
         self.aborted.check(req.request_id)
         if req.request_id in self.streams:
             raise ValueError(f"request {req.request_id} is already decoding here")
-        self.engine.check_request(req.prompt_ids, req.params)
+        await asyncio.to_thread(self.engine.check_request, req.prompt_ids, req.params)
         pre = req.prefill
         self._check_kv_format(pre)
         ctx = otel_context.get_current()

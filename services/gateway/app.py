@@ -57,22 +57,46 @@ class Guard:
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 response = error_response(401, "invalid or missing API key (Authorization: Bearer)")
                 return await response(scope, receive, send)
-        length = headers.get(b"content-length", b"0")
-        if not length.isdigit() or int(length) > self.max_body:
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
             status = 413 if length.isdigit() else 400
             message = f"request body over {self.max_body} bytes" if status == 413 else "bad length"
             return await error_response(status, message)(scope, receive, send)
-        received = 0
+        if length is None:  # chunked: read it here, where going over can still answer 413
+            body = await self._read_body(receive)
+            if body is None:
+                message = f"request body over {self.max_body} bytes"
+                return await error_response(413, message)(scope, receive, send)
+            receive = _replay(body, receive)
+        await self.app(scope, receive, send)
 
-        async def counted() -> Message:  # bodies sent without a length are counted too
-            nonlocal received
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        """The whole body, or None once it passes max_body."""
+        chunks, size, more = [], 0, True
+        while more:
             message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_body:
-                raise APIError(413, f"request body over {self.max_body} bytes")
-            return message
+            if message["type"] == "http.disconnect":
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body:
+                return None
+            more = message.get("more_body", False)
+        return b"".join(chunks)
 
-        await self.app(scope, counted, send)
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that gives `body` once, then waits on the client as before."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed
 
 
 def _template_tool_parser(model: str | None) -> str:
@@ -146,14 +170,9 @@ def build_app(cluster: Cluster, cfg: GatewayConfig) -> FastAPI:
             )
         return {"model_path": cfg.model or DEFAULT_MODEL_NAME, "internal_states": [state]}
 
-    def max_model_len() -> int | None:
-        """The context limit the live decode workers advertise (None before any is up)."""
-        limits = [i.heartbeat.max_model_len for i in cluster.live("decode")]
-        return min((n for n in limits if n), default=None)
-
     def model_card() -> dict[str, Any]:
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "specmesh"}
-        return {**card, "root": model_name, "max_model_len": max_model_len()}
+        return {**card, "root": model_name, "max_model_len": cluster.max_model_len()}
 
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
@@ -163,7 +182,7 @@ def build_app(cluster: Cluster, cfg: GatewayConfig) -> FastAPI:
             "model_path": path,
             "tokenizer_path": path,
             "is_generation": True,
-            "max_model_len": max_model_len(),
+            "max_model_len": cluster.max_model_len(),
         }
 
     @app.get("/v1/models")
@@ -178,6 +197,6 @@ def build_app(cluster: Cluster, cfg: GatewayConfig) -> FastAPI:
 
     app.include_router(chat_routes(cluster, model_name, tool_parser, reasoning))
     app.include_router(completion_routes(cluster, model_name))
-    app.include_router(native_routes(cluster, model_name, max_model_len))
+    app.include_router(native_routes(cluster, model_name))
     app.include_router(response_routes(cluster, model_name, tool_parser, reasoning))
     return app

@@ -217,6 +217,11 @@ class Cluster:
     def live(self, kind: str) -> list[Instance]:
         return list(self.instances.get(kind, {}).values())
 
+    def max_model_len(self) -> int | None:
+        """The context limit the live decode workers advertise (None before any is up)."""
+        limits = [i.heartbeat.max_model_len for i in self.live("decode")]
+        return min((n for n in limits if n), default=None)
+
     async def _on_heartbeat(self, hb: Heartbeat) -> None:
         instances = self.instances.setdefault(hb.kind, {})
         known = instances.get(hb.instance_id)
@@ -383,6 +388,7 @@ class Cluster:
         """Tokenize, prefill and admit one sequence; its output then flows to its queue."""
         request_id = tokenize.request_id
         tokenize.output_subject = gateway_subject(self.gateway_id)
+        tokenize.max_tokens = self.max_model_len()
         tokens = await self.bus.request(TOKENIZE, tokenize, TokenizeReply, 10)
         prompt_ids = tokens.prompt_ids
         decode, drafter, prefill = await self._place(

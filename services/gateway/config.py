@@ -28,6 +28,9 @@ class GatewayConfig:
         256, "sequences in flight at this gateway before new requests get 429"
     )
     max_request_bytes: int = option(4 << 20, "larger request bodies get 413")
+    header_timeout: float = option(
+        10.0, "seconds a connection may take to send its request headers before it is closed"
+    )
     instance_timeout: float = option(3.0, "seconds without a heartbeat before an instance is gone")
     request_timeout: float = option(120.0, "seconds a prefill may take, queueing included")
     request_idle_timeout: float = option(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request, Response
@@ -42,6 +42,7 @@ from shared.protocol import (
     EncodeReply,
     EncodeRequest,
     FlushCache,
+    ProtocolError,
     RemoteError,
     TextDelta,
     TokenLogprob,
@@ -68,7 +69,7 @@ class NativeSamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_new_tokens: Annotated[int, Field(ge=1)] = DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] = DEFAULT_MAX_NEW_TOKENS
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] = -1
@@ -84,7 +85,7 @@ class NativeSamplingParams(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    min_new_tokens: Annotated[int, Field(ge=0)] = 0
+    min_new_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     logit_bias: dict[str, LogitBias] | None = None
     json_schema: str | None = None
     regex: str | None = None
@@ -237,10 +238,8 @@ class SequenceOutput:
         ]
 
 
-def native_routes(
-    cluster: Cluster, model_name: str, max_model_len: Callable[[], int | None]
-) -> APIRouter:
-    """SGLang's native endpoints over `cluster`; `max_model_len()`: the live context limit."""
+def native_routes(cluster: Cluster, model_name: str) -> APIRouter:
+    """SGLang's native endpoints over `cluster`."""
     router = APIRouter()
 
     @router.post("/generate", response_model=None)
@@ -256,7 +255,7 @@ def native_routes(
         ids = reply.token_ids if isinstance(req.prompt, list) else reply.token_ids[0]
         counts = [len(i) for i in reply.token_ids]
         count = counts if isinstance(req.prompt, list) else counts[0]
-        return {"tokens": ids, "count": count, "max_model_len": max_model_len()}
+        return {"tokens": ids, "count": count, "max_model_len": cluster.max_model_len()}
 
     @router.post("/detokenize")
     @router.post("/v1/detokenize")
@@ -315,7 +314,7 @@ async def _call(cluster: Cluster, subject: str, msg: Any, expect: type[Any]) -> 
     """A service's reply, its failures as API errors."""
     try:
         return await cluster.bus.request(subject, msg, expect, CALL_TIMEOUT_S)
-    except RemoteError as exc:
+    except (RemoteError, ProtocolError) as exc:
         raise APIError(exc.status, str(exc)) from exc
     except BusError as exc:
         raise APIError(503, str(exc)) from exc

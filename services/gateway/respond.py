@@ -49,8 +49,8 @@ async def start(
             span.set_attribute("specmesh.drafter", placement.drafter_id or "")
     except RemoteError as exc:
         raise APIError(exc.status, str(exc)) from exc
-    except ProtocolError as exc:  # a value no message can carry
-        raise APIError(400, str(exc)) from exc
+    except ProtocolError as exc:  # a value or a size no message can carry
+        raise APIError(exc.status, str(exc)) from exc
     except Overloaded as exc:
         raise APIError(429, str(exc)) from exc
     except (Unavailable, BusError) as exc:

@@ -45,7 +45,7 @@ INT64 = Field(ge=-(2**63), le=2**63 - 1)
 Probability = Annotated[float, Field(ge=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 LogitBias = Annotated[float, Field(ge=-100, le=100)]
-TokenCount = Annotated[int, Field(ge=1)]
+TokenCount = Annotated[int, Field(ge=1, le=INT32_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 Temperature = Annotated[float, Field(ge=0, le=2)]
@@ -173,7 +173,7 @@ class GenerationRequest(Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: Annotated[dict[str, LogitBias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] = 0  # vLLM's: no EOS or stop token before
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0  # vLLM's: no EOS or stop token before
     response_format: ResponseFormat | None = None
     regex: str | None = None  # SGLang's: the output matches this regex
     ebnf: str | None = None  # SGLang's: the output matches this EBNF (GBNF) grammar

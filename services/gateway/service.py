@@ -7,7 +7,9 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from services.gateway.app import build_app
 from services.gateway.cluster import Cluster
@@ -23,6 +25,37 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield  # the service handles SIGTERM/SIGINT and stops the server itself
+
+
+class _HeaderDeadline(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, closing a connection whose request headers are not
+    complete `header_timeout` seconds after it opened or after its last response (uvicorn
+    waits forever for them, so slow clients could hold every connection)."""
+
+    header_timeout = 10.0
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = self.loop.call_later(self.header_timeout, self._expire)
+
+    def _expire(self) -> None:
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()  # no request begun in time
 
 
 class GatewayService(Service):
@@ -48,8 +81,15 @@ class GatewayService(Service):
         # uvicorn's records go through our logging (log_config=None: no handlers of its own),
         # its start-up lines stay below warning (ours say the same), and the access log is
         # the app's (services/gateway/access.py), with request and trace ids.
+        protocol = type("HTTP", (_HeaderDeadline,), {"header_timeout": g.header_timeout})
         config = uvicorn.Config(
-            app, host=g.host, port=g.port, log_level="warning", log_config=None, access_log=False
+            app,
+            host=g.host,
+            port=g.port,
+            http=protocol,
+            log_level="warning",
+            log_config=None,
+            access_log=False,
         )
         self.server = _Server(config)
         self.http = asyncio.create_task(self.server.serve())

@@ -91,12 +91,13 @@ class TokenizerService(Service):
                 text = self.chat_prompt(req)
             except Exception as exc:  # template errors come from the caller's messages
                 raise ValueError(f"cannot apply the chat template: {exc}") from exc
-            ids = self.tokenizer.encode(text)  # the template writes special tokens as text
+            # No special tokens added: the template writes those it wants as text.
+            ids = await self._encode(text, req.max_tokens, False)
             if req.images:  # decoding and resizing, off the loop
                 ids, prepared = await asyncio.to_thread(self.images.expand, ids, req.images)
                 images = [to_wire(image) for image in prepared]
         elif req.prompt is not None:
-            text, ids = req.prompt, self.tokenizer.encode(req.prompt, add_special_tokens=True)
+            text, ids = req.prompt, await self._encode(req.prompt, req.max_tokens, True)
         elif req.prompt_ids is not None:
             ids = list(req.prompt_ids)
             self.tokenizer.check_ids(ids)
@@ -109,6 +110,11 @@ class TokenizerService(Service):
         return TokenizeReply(
             prompt_ids=ids, tokenizer_id=self.instance_id, prompt_text=text, images=images
         )
+
+    async def _encode(self, text: str, max_tokens: int | None, special: bool) -> list[int]:
+        """Off the loop: a long text takes seconds (heartbeats go on meanwhile)."""
+        self.tokenizer.check_fits(text, max_tokens)
+        return await asyncio.to_thread(self.tokenizer.encode, text, special)
 
     async def encode(self, req: EncodeRequest) -> EncodeReply:
         encode = self.tokenizer.encode

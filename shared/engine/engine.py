@@ -25,7 +25,7 @@ from shared.core.images import PromptImage
 from shared.core.sequence import RemotePrefix, Sequence, SequenceStatus
 from shared.core.spec_stats import SpecStats
 from shared.core.tree import DraftTree
-from shared.engine.scheduler import Scheduler
+from shared.engine.scheduler import SCHEDULE_POLICIES, Scheduler
 from shared.engine.speculation import PendingDrafts, Speculator, StepCosts
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.exchange import KVExchange, feature_tag
@@ -37,6 +37,7 @@ from shared.runner.cuda_graph import decode_graphs
 from shared.runner.images import place_images
 from shared.runner.model_runner import ModelRunner
 from shared.sampling.grammar import GrammarCompiler
+from shared.sampling.grammar_worker import COMPILE_TIMEOUT_S
 from shared.sampling.params import SamplingParams
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.drafter import Drafter
@@ -74,6 +75,13 @@ class EngineConfig:
     max_num_batched_tokens: int = option(
         512, "token budget of one step (chunked prefill)", aliases=("--chunked-prefill-size",)
     )
+    schedule_policy: str = option(
+        "fair",
+        "how a step's token budget goes to prompts: fair (shared evenly, so short prompts "
+        "pass long ones), fcfs (the oldest first) or lpm (fcfs, the longest cached prefix "
+        "first)",
+        choices=SCHEDULE_POLICIES,
+    )
     max_model_len: int | None = option(
         None,
         "context limit (default: the model's, capped by the cache)",
@@ -95,6 +103,9 @@ class EngineConfig:
     )
     random_seed: int | None = option(
         None, "seed for sampling the requests that bring no seed of their own (default: random)"
+    )
+    grammar_compile_timeout: float = option(
+        COMPILE_TIMEOUT_S, "seconds a grammar may take to compile before its request gets a 400"
     )
 
 
@@ -216,7 +227,9 @@ class LLMEngine:
         self.eos_token_ids = set(mcfg.eos_token_ids) | _generation_eos(Path(cfg.model))
         self._grammars: GrammarCompiler | None = None  # built by the first constrained request
         self.block_manager = BlockManager(self.kv_cache.num_blocks, cfg.block_size)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.schedule_policy
+        )
         eos = frozenset(self.eos_token_ids)
         max_bs = cfg.cuda_graph_max_bs or cfg.max_num_seqs
         graphs = decode_graphs(
@@ -295,7 +308,9 @@ class LLMEngine:
             model = Path(self.cfg.model)
             tokenizer = (model if model.is_dir() else model.parent) / "tokenizer.json"
             vocab, eos = self.model.config.vocab_size, sorted(self.eos_token_ids)
-            self._grammars = GrammarCompiler(tokenizer, vocab, eos)
+            self._grammars = GrammarCompiler(
+                tokenizer, vocab, eos, self.cfg.grammar_compile_timeout
+            )
         return self._grammars
 
     def add_request(

@@ -1,8 +1,13 @@
 """Continuous batching: which sequences run this step, and how many tokens each.
 
-Running sequences go first, oldest first; a prompt longer than the step's
-token budget is prefilled in chunks over several steps. When the KV cache
-runs out, the newest running sequence is preempted and later recomputed.
+Decoding sequences go first, a token each; the rest of the step's token budget
+goes to prompts, which are prefilled in chunks over several steps. `fcfs` gives it
+to the oldest prompt first (a long prompt holds back every prompt behind it until
+it is done); `lpm` (SGLang's longest prefix match) is fcfs with waiting prompts
+taken in order of their cached prefix, longest first; `fair` shares it evenly
+among the prompts in progress, what a short one does not need going to the
+others, so a short prompt's first token does not wait for a long one. When the
+KV cache runs out, the newest running sequence is preempted and later recomputed.
 
 With lanes (overlapped speculation) each call schedules one lane's sequences:
 a sequence keeps the lane it was given, and preemption stays within the lane,
@@ -16,11 +21,20 @@ from collections import deque
 from shared.core.sequence import Sequence, SequenceStatus
 from shared.kvcache.block_manager import BlockManager
 
+SCHEDULE_POLICIES = ("fair", "fcfs", "lpm")
+
 
 class Scheduler:
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "fair",
     ) -> None:
+        if policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule policy must be one of {', '.join(SCHEDULE_POLICIES)}")
+        self.policy = policy
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -52,13 +66,21 @@ class Scheduler:
 
     def schedule(self, lane: int | None = None) -> list[tuple[Sequence, int]]:
         """The sequences to run next (of `lane` only, if given) and how many tokens each."""
-        budget = self.max_num_batched_tokens
-        batch: list[tuple[Sequence, int]] = []
-        preempted = False
-        running = [s for s in self.running if lane is None or s.lane == lane]
-        for seq in running:
-            if budget == 0:
-                break
+        running, preempted = self._keep_running(lane)
+        decoding = [s for s in running if s.num_uncomputed == 1][: self.max_num_batched_tokens]
+        prompts = [s for s in running if s.num_uncomputed > 1]
+        budget = self.max_num_batched_tokens - len(decoding)
+        if not preempted:
+            prompts += self._admit(lane, budget, prompts)
+        shares = self._shares([s.num_uncomputed for s in prompts], budget)
+        batch = [(s, 1) for s in decoding]
+        return batch + [(s, n) for s, n in zip(prompts, shares, strict=True) if n]
+
+    def _keep_running(self, lane: int | None) -> tuple[list[Sequence], bool]:
+        """The running sequences (of `lane`) with room for their next tokens, oldest first,
+        preempting the newest where the cache is full; and whether any was preempted."""
+        kept, preempted = [], False
+        for seq in [s for s in self.running if lane is None or s.lane == lane]:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             while not self.block_manager.can_grow(seq, 0):
@@ -69,12 +91,22 @@ class Scheduler:
                     break
             if seq.status is SequenceStatus.RUNNING:
                 self.block_manager.ensure_capacity(seq)
-                num = min(seq.num_uncomputed, budget)
-                batch.append((seq, num))
-                budget -= num
+                kept.append(seq)
+        return kept, preempted
+
+    def _admit(self, lane: int | None, budget: int, prompts: list[Sequence]) -> list[Sequence]:
+        """Waiting sequences (of `lane`) that start now, in arrival order: while the budget
+        has a token for each (fair) or some left after the prompts in progress (fcfs)."""
+        fair = self.policy == "fair"
+        if not fair:
+            budget -= sum(s.num_uncomputed for s in prompts)
         waiting = [s for s in self.waiting if lane is None or s.lane == lane]
+        if self.policy == "lpm":
+            waiting.sort(key=lambda s: -self.block_manager.num_cached_blocks(s))
+        admitted: list[Sequence] = []
         for seq in waiting:
-            if preempted or not budget or len(self.running) >= self.max_num_seqs:
+            starting = len(prompts) + len(admitted) if fair else 0
+            if budget <= starting or len(self.running) >= self.max_num_seqs:
                 break
             # Keep a block of headroom per running sequence so admission does not
             # immediately force a preemption on the next decode step.
@@ -84,7 +116,18 @@ class Scheduler:
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            num = min(seq.num_uncomputed, budget)
-            batch.append((seq, num))
-            budget -= num
-        return batch
+            admitted.append(seq)
+            if not fair:
+                budget -= seq.num_uncomputed
+        return admitted
+
+    def _shares(self, needs: list[int], budget: int) -> list[int]:
+        """Tokens for each prompt: in order (fcfs, lpm), or evenly, the prompts that need
+        less than an even share leaving the rest to the others (fair)."""
+        fair = self.policy == "fair"
+        shares = [0] * len(needs)
+        order = sorted(range(len(needs)), key=needs.__getitem__) if fair else range(len(needs))
+        for k, i in enumerate(order):
+            shares[i] = min(needs[i], budget // (len(needs) - k) if fair else budget)
+            budget -= shares[i]
+        return shares

@@ -94,6 +94,10 @@ class BlockManager:
             ids.append(block_id)
         return ids
 
+    def num_cached_blocks(self, seq: Sequence) -> int:
+        """How many of `seq`'s first blocks the prefix cache holds."""
+        return len(self._cached_prefix(seq))
+
     def _blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 

@@ -157,7 +157,11 @@ class TorchAttention:
             qe = q[start : start + n].view(n, kv_heads, group, head_dim).permute(1, 2, 0, 3)
             qe = qe.reshape(kv_heads, group * n, head_dim)
             ke, ve = (_gather(c, slots, q.dtype).transpose(0, 1) for c in (k_cache, v_cache))
-            oe = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=mask.repeat(group, 1))
+            # 4-D, so that CPU SDPA takes its tiled (flash) kernel rather than one that
+            # materializes all [group * n, context] scores.
+            oe = F.scaled_dot_product_attention(
+                qe[None], ke[None], ve[None], attn_mask=mask.repeat(group, 1)
+            )
             oe = oe.view(kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
             out[start : start + n] = oe.reshape(n, num_heads, head_dim)
         return out.view(num_tokens, num_heads * head_dim)

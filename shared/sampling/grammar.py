@@ -1,8 +1,9 @@
 """Grammar-constrained decoding, with llguidance.
 
 A request's `Grammar` is compiled once per distinct grammar (`GrammarCompiler`: an LRU
-cache of llguidance grammars, each validated against the model's vocabulary, so a bad
-schema or an unsupported regex is a ValueError before anything runs). Each sequence gets
+cache of llguidance grammars, each validated against the model's vocabulary in a child
+process under time and size limits, so a bad, huge or slow grammar is a ValueError before
+anything runs). Each sequence gets
 a `GrammarMatcher` that follows the tokens it emits and says which may come next: a mask
 over the vocabulary, applied to the logits before sampling. For a draft tree,
 `masks_after` gives the mask after every node's path, so verification never accepts a
@@ -18,59 +19,65 @@ from pathlib import Path
 
 import llguidance as llg
 import torch
-from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from shared.sampling.params import JSON_LAYOUT, Grammar
+from shared.sampling.grammar_worker import (
+    COMPILE_TIMEOUT_S,
+    GrammarWorker,
+    limits,
+    read_tokenizer,
+)
+from shared.sampling.params import Grammar
 
-CACHE_SIZE = 256  # compiled grammars kept
-
-
-def llguidance_grammar(grammar: Grammar) -> str:
-    """llguidance's grammar for `grammar` (not validated yet)."""
-    try:
-        if grammar.kind == "json_object":
-            return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_LAYOUT)
-        if grammar.kind == "json_schema":
-            return llg.LLMatcher.grammar_from_json_schema(grammar.source, JSON_LAYOUT)
-        if grammar.kind == "regex":
-            return llg.LLMatcher.grammar_from_regex(grammar.source)
-        if grammar.kind == "ebnf":
-            return llg.LLMatcher.grammar_from_lark(gbnf_to_lark(grammar.source))
-        return llg.LLMatcher.grammar_from_lark(grammar.source)
-    except Exception as exc:  # malformed JSON, or GBNF (its converter raises bare Exception)
-        raise ValueError(f"invalid {grammar.kind} grammar: {exc}") from None
+CACHE_SIZE = 256  # grammars kept, compiled or refused
 
 
 class GrammarCompiler:
-    """The model's vocabulary as llguidance sees it, and the grammars compiled for it."""
+    """The model's vocabulary as llguidance sees it, and the grammars compiled for it
+    (in a child process, grammar_worker.py), each remembered with its error if refused."""
 
-    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        tokenizer_json: Path,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        timeout_s: float = COMPILE_TIMEOUT_S,
+    ) -> None:
         if not tokenizer_json.is_file():
             raise ValueError(f"constrained decoding needs the model's {tokenizer_json.name}")
         self.vocab_size = vocab_size
-        self.tokenizer = llg.LLTokenizer(
-            tokenizer_json.read_text(), n_vocab=vocab_size, eos_token=eos_token_ids
-        )
-        self._compiled: OrderedDict[Grammar, str] = OrderedDict()
+        self.tokenizer = read_tokenizer(tokenizer_json, vocab_size, eos_token_ids)
+        self.worker = GrammarWorker(tokenizer_json, vocab_size, eos_token_ids, timeout_s)
+        self._compiled: OrderedDict[Grammar, str | ValueError] = OrderedDict()
         self._lock = threading.Lock()  # services check requests off the engine's thread
 
     def compile(self, grammar: Grammar) -> str:
         """The validated llguidance grammar; ValueError says what is wrong with it."""
         with self._lock:
-            if (compiled := self._compiled.get(grammar)) is not None:
+            compiled = self._compiled.get(grammar)
+            if compiled is not None:
                 self._compiled.move_to_end(grammar)
-                return compiled
-        compiled = llguidance_grammar(grammar)
-        if error := llg.LLMatcher.validate_grammar(compiled, self.tokenizer):
-            raise ValueError(f"invalid {grammar.kind} grammar: {error.strip()}")
-        with self._lock:
-            self._compiled[grammar] = compiled
-            if len(self._compiled) > CACHE_SIZE:
-                self._compiled.popitem(last=False)
+        if compiled is None:
+            try:
+                compiled = self.worker.compile(grammar)
+            except ValueError as exc:
+                compiled = exc
+            with self._lock:
+                self._compiled[grammar] = compiled
+                if len(self._compiled) > CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+        if isinstance(compiled, ValueError):
+            raise ValueError(str(compiled))
         return compiled
 
     def matcher(self, grammar: Grammar) -> GrammarMatcher:
         return GrammarMatcher(self, self.compile(grammar))
+
+    def start(self) -> None:
+        """Start compiling's process now, not at the first grammar (services do)."""
+        self.worker.start()
+
+    def close(self) -> None:
+        self.worker.close()
 
 
 class GrammarMatcher:
@@ -78,7 +85,7 @@ class GrammarMatcher:
 
     def __init__(self, compiler: GrammarCompiler, compiled: str) -> None:
         self.vocab_size = compiler.vocab_size
-        self.matcher = llg.LLMatcher(compiler.tokenizer, compiled, log_level=0)
+        self.matcher = llg.LLMatcher(compiler.tokenizer, compiled, log_level=0, limits=limits())
         self._check()
 
     def _check(self) -> None:

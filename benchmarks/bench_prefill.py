@@ -1,0 +1,189 @@
+"""Long prompts: prefill time beside transformers and llama.cpp, and a short request's first
+token while a long prompt is being prefilled.
+
+    python benchmarks/bench_prefill.py [--model DIR] [--lengths 2048,8190] [--runs 3]
+        [--setups specmesh,transformers,llama.cpp] [--llama-server PATH --gguf FILE]
+        [--fairness]
+
+Prefill: one prompt of each length (held-out chat text, cut to that many tokens), the time
+to its first token (greedy), for: `specmesh`, the in-process engine with its defaults
+(chunked prefill, the engine a prefill service runs); `transformers`, one forward of
+the whole prompt (AutoModelForCausalLM, fp32, SDPA); `llama.cpp`, `llama-server` on an F32
+GGUF of the model (`/completion`, `n_predict` 1, no prompt cache). The setups take turns
+within each run; medians of `--runs`, and ratios within a run. The first tokens must agree.
+
+`--fairness`: `specmesh up`; an 8,190-token prompt is sent, and 0.2 s later a short
+streamed chat; prints the short one's time to its first token, and alone for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from deployment import specmesh_up  # noqa: E402
+from peers.llama_cpp import llama_cpp_paths, llama_server  # noqa: E402
+
+from shared.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from shared.infra import start_nats  # noqa: E402
+from shared.model.fetch import fetch_default_model  # noqa: E402
+from shared.sampling.params import SamplingParams  # noqa: E402
+from shared.tokenizer import Tokenizer  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+CHAT = json.loads((HERE / "prompts" / "chat_heldout.json").read_text())
+SETUPS = ("specmesh", "transformers", "llama.cpp")
+LONG = 8190
+SHORT = "Name three colours."
+
+# a prompt's ids -> (seconds to its first token, that token)
+Prefill = Callable[[list[int]], tuple[float, int]]
+
+
+def prompt_ids(tok: Tokenizer, length: int) -> list[int]:
+    """`length` tokens of held-out chat text, repeated as needed."""
+    ids: list[int] = []
+    while len(ids) < length:
+        ids += tok.encode("\n\n".join(CHAT))
+    return ids[:length]
+
+
+def specmesh(model: Path, longest: int) -> Prefill:
+    engine = LLMEngine(EngineConfig(model=str(model), kv_cache_gb=0.1 + longest * 6e-5))
+    params = SamplingParams(temperature=0, max_tokens=1)
+
+    def run(ids: list[int]) -> tuple[float, int]:
+        engine.scheduler.block_manager.flush()  # no prefix cache between runs
+        start = time.perf_counter()
+        (out,) = engine.generate([ids], params)
+        return time.perf_counter() - start, out[0]
+
+    return run
+
+
+def transformers_forward(model: Path) -> Prefill:
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def run(ids: list[int]) -> tuple[float, int]:
+        start = time.perf_counter()
+        logits = lm(torch.tensor([ids]), logits_to_keep=1).logits
+        return time.perf_counter() - start, int(logits[0, -1].argmax())
+
+    return run
+
+
+def llama_cpp(url: str) -> Prefill:
+    def run(ids: list[int]) -> tuple[float, int]:
+        body = {"prompt": ids, "n_predict": 1, "temperature": 0, "cache_prompt": False}
+        start = time.perf_counter()
+        reply = httpx.post(f"{url}/completion", json={**body, "n_probs": 1}, timeout=600)
+        seconds = time.perf_counter() - start
+        return seconds, reply.json()["completion_probabilities"][0]["id"]
+
+    return run
+
+
+def measure(setups: dict[str, Prefill], prompts: dict[int, list[int]], runs: int) -> None:
+    times: dict[tuple[str, int], list[float]] = {}
+    for run in range(runs):
+        for length, ids in prompts.items():
+            tokens = {}
+            for name, prefill in setups.items():
+                seconds, tokens[name] = prefill(ids)
+                times.setdefault((name, length), []).append(seconds)
+            line = "  ".join(f"{n} {times[(n, length)][-1]:.2f} s" for n in setups)
+            print(f"run {run + 1}, {length} tokens: {line}", flush=True)
+            if len(set(tokens.values())) > 1:
+                print(f"WARNING: first tokens differ: {tokens}")
+    print(f"\nprefill, seconds to the first token (median of {runs})")
+    print(f"{'':<14}" + "".join(f"{length:>10}" for length in prompts))
+    for name in setups:
+        medians = (statistics.median(times[(name, n)]) for n in prompts)
+        print(f"{name:<14}" + "".join(f"{m:>10.2f}" for m in medians))
+    for peer in [n for n in setups if n != "specmesh"]:
+        pairs = {n: zip(times[(peer, n)], times[("specmesh", n)], strict=True) for n in prompts}
+        ratios = (statistics.median(p / s for p, s in pairs[n]) for n in prompts)
+        print(f"{'x ' + peer:<14}" + "".join(f"{r:>9.2f}x" for r in ratios))
+
+
+def fairness(model: Path, tok: Tokenizer) -> None:
+    """A short chat's time to its first token, alone and while a long prompt prefills."""
+    long_body = {"input_ids": prompt_ids(tok, LONG), "sampling_params": {"max_new_tokens": 1}}
+    with start_nats() as bus, specmesh_up(model, "--nats-url", bus.url) as url:
+        alone = first_token_seconds(url)
+        sender = threading.Thread(
+            target=httpx.post,
+            args=(f"{url}/generate",),
+            kwargs={
+                "json": long_body,
+                "timeout": 600,
+            },
+        )
+        start = time.monotonic()
+        sender.start()
+        time.sleep(0.2)
+        beside = first_token_seconds(url)
+        sender.join()
+        long_seconds = time.monotonic() - start
+    print(f"\nshort chat, first token: alone {alone:.2f} s; sent 0.2 s after an {LONG}-token")
+    print(f"prompt: {beside:.2f} s (the long prompt's answer took {long_seconds:.1f} s)")
+
+
+def first_token_seconds(url: str) -> float:
+    body = {"messages": [{"role": "user", "content": SHORT}], "stream": True, "max_tokens": 4}
+    start = time.monotonic()
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                return time.monotonic() - start
+    raise RuntimeError("no content came back")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--lengths", default=f"2048,{LONG}")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--setups", default=",".join(SETUPS))
+    parser.add_argument("--llama-server", default=None)
+    parser.add_argument("--gguf", default=None)
+    parser.add_argument("--fairness", action="store_true")
+    args = parser.parse_args()
+    model = Path(args.model) if args.model else fetch_default_model()
+    tok = Tokenizer(model)
+    prompts = {n: prompt_ids(tok, n) for n in map(int, args.lengths.split(","))}
+    names = args.setups.split(",")
+    setups: dict[str, Prefill] = {}
+    if "specmesh" in names:
+        setups["specmesh"] = specmesh(model, max(prompts))
+    if "transformers" in names:
+        setups["transformers"] = transformers_forward(model)
+    if "llama.cpp" in names:
+        server, gguf = (args.llama_server, args.gguf) if args.gguf else llama_cpp_paths(model)
+        with llama_server(server, gguf, "-np", "1", "-c", str(max(prompts) + 16)) as url:
+            setups["llama.cpp"] = llama_cpp(url)
+            measure(setups, prompts, args.runs)
+    else:
+        measure(setups, prompts, args.runs)
+    print(f"{torch.get_num_threads()} threads; {' '.join(names)}")
+    if args.fairness:
+        fairness(model, tok)
+
+
+if __name__ == "__main__":
+    main()
