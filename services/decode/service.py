@@ -93,7 +93,7 @@ class DecodeService(EngineService):
             self.engine.kv_cache, self.transport, fingerprint, tcfg.kv_ttl, self.kind
         )
         self.driver = AsyncEngine(self.engine, own_thread=False)
-        self.engine.grammars.start()  # its process, now rather than at the first grammar
+        self.engine.start_grammar_compiler()
         self.stream_interval = dcfg.stream_interval
         self.model_name = model_name_of(ecfg.model)
         self.kv_description = kv_description(

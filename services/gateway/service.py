@@ -32,7 +32,7 @@ class _HeaderDeadline(H11Protocol):
     complete `header_timeout` seconds after it opened or after its last response (uvicorn
     waits forever for them, so slow clients could hold every connection)."""
 
-    header_timeout = 10.0
+    header_timeout: float  # set per server (--header-timeout), in a subclass
     _deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]

@@ -120,7 +120,7 @@ class PrefillService(EngineService):
         self.model_name = model_name_of(ecfg.model)
         self._prompt_tokens = (0, 0)  # (computed, cached) all time: the cache hit rate
         self.driver = AsyncEngine(self.engine, own_thread=False)
-        self.engine.grammars.start()  # its process, now rather than at the first grammar
+        self.engine.start_grammar_compiler()
 
     async def start(self) -> None:
         await self.bus.serve(PREFILL, self.prefill, queue="prefill", concurrent=True)

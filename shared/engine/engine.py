@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -300,6 +301,13 @@ class LLMEngine:
             self.grammars.compile(params.grammar)
         if params.grammar_prefix > len(prompt_ids):
             raise ValueError("grammar_prefix is longer than the prompt")
+
+    def start_grammar_compiler(self) -> None:
+        """Start compiling grammars' process now (services do, at start-up) where this
+        model can constrain output; where it cannot, the first constrained request is
+        refused and says why."""
+        with contextlib.suppress(ValueError):
+            self.grammars.start()
 
     @property
     def grammars(self) -> GrammarCompiler:

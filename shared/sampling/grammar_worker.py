@@ -101,7 +101,8 @@ def _answer(status: str, payload: str) -> None:
 
 
 class GrammarWorker:
-    """The parent's side: one child, one grammar at a time."""
+    """The parent's side: one child compiling, one at a time, and a spare already started
+    to take over from a child that is killed."""
 
     def __init__(
         self, tokenizer_json: Path, vocab_size: int, eos: list[int], timeout_s: float
@@ -112,7 +113,8 @@ class GrammarWorker:
         self._lock = threading.Lock()
         self._child: subprocess.Popen[str] | None = None
         self._ready = False  # the child said it has read the tokenizer
-        self._stop_child: weakref.finalize | None = None  # also when this is collected
+        self._spare: subprocess.Popen[str] | None = None
+        self._stops: dict[subprocess.Popen[str], weakref.finalize] = {}  # also on collection
 
     def compile(self, grammar: Grammar) -> str:
         """The compiled grammar; ValueError if it is invalid, too slow, or crashes."""
@@ -132,7 +134,7 @@ class GrammarWorker:
         line = _read_line(child, self.timeout_s)
         if line:
             return json.loads(line)
-        self.start()  # now, so the next grammar does not wait for it to start
+        self.start()  # the spare takes over: the next grammar does not wait for a start
         if line is None:
             return ["error", f"{grammar.kind} grammar took over {self.timeout_s:g} s to compile"]
         return ["error", f"{grammar.kind} grammar: the compiler failed on it (too deep?)"]
@@ -149,17 +151,26 @@ class GrammarWorker:
         return self._child
 
     def start(self) -> None:
-        """A new child (its start-up is awaited by the next grammar)."""
-        self.close()
-        pipe = subprocess.PIPE
-        self._child = subprocess.Popen(self.argv, stdin=pipe, stdout=pipe, text=True)
-        self._stop_child = weakref.finalize(self, _stop, self._child)
+        """A new child compiles from now on (the spare, if one is up), with a new spare."""
+        self._stop(self._child)
+        self._child, self._ready = self._spare or self._spawn(), False
+        self._spare = self._spawn()
 
     def close(self) -> None:
-        if self._stop_child is not None:
-            self._stop_child()
-        self._child = self._stop_child = None
+        self._stop(self._child)
+        self._stop(self._spare)
+        self._child = self._spare = None
         self._ready = False
+
+    def _spawn(self) -> subprocess.Popen[str]:
+        pipe = subprocess.PIPE
+        child = subprocess.Popen(self.argv, stdin=pipe, stdout=pipe, text=True)
+        self._stops[child] = weakref.finalize(self, _stop, child)
+        return child
+
+    def _stop(self, child: subprocess.Popen[str] | None) -> None:
+        if child is not None:
+            self._stops.pop(child)()
 
 
 def _read_line(child: subprocess.Popen[str], timeout_s: float) -> str | None:
