@@ -131,7 +131,7 @@ class Bus:
         with tracer.start_as_current_span(
             f"request {subject}", context=ctx, kind=trace.SpanKind.CLIENT
         ):
-            data = self._fitting(msg)
+            data = self._encoded(msg)
             try:
                 reply = await self.nc.request(subject, data, timeout, headers=_headers(None))
             except nats.errors.NoRespondersError as exc:
@@ -145,9 +145,9 @@ class Bus:
     async def publish(
         self, subject: str, msg: Any, ctx: otel_context.Context | None = None
     ) -> None:
-        await self.nc.publish(subject, self._fitting(msg), headers=_headers(ctx))
+        await self.nc.publish(subject, self._encoded(msg), headers=_headers(ctx))
 
-    def _fitting(self, msg: Any) -> bytes:
+    def _encoded(self, msg: Any) -> bytes:
         """`msg` encoded; PayloadTooLarge if NATS would refuse it (the server's limit)."""
         data = encode(msg)
         if len(data) > self.nc.max_payload:
@@ -193,7 +193,7 @@ class Bus:
     def _reply_data(self, reply: Any) -> bytes:
         """The encoded reply, or an ErrorReply saying it was too large to send."""
         try:
-            return self._fitting(reply)
+            return self._encoded(reply)
         except PayloadTooLarge as exc:
             return encode(ErrorReply(message=f"the reply is too large: {exc}", status=exc.status))
 

@@ -117,13 +117,16 @@ class Tokenizer:
         """The longest text a token stands for: n tokens hold at most n times this."""
         return max(map(len, self._tok.get_vocab(with_added_tokens=True)))
 
-    def check_fits(self, text: str, max_tokens: int | None) -> None:
-        """ValueError if `text` is surely longer than `max_tokens` tokens (it is refused
-        without the time and memory that encoding a huge text takes)."""
-        if max_tokens is not None and len(text) > max_tokens * self.max_token_chars:
+    def check_fits(self, prompt: str | list[int], max_tokens: int | None) -> None:
+        """ValueError if `prompt` (ids, or a text) is surely longer than `max_tokens` tokens;
+        a text is measured by its length, before the time and memory encoding it takes."""
+        if max_tokens is None:
+            return
+        text = isinstance(prompt, str)
+        if len(prompt) > max_tokens * (self.max_token_chars if text else 1):
             raise ValueError(
-                f"the prompt ({len(text)} characters) is longer than the model's context of "
-                f"{max_tokens} tokens can hold"
+                f"the prompt ({len(prompt)} {'characters' if text else 'tokens'}) is longer "
+                f"than the model's context of {max_tokens} tokens can hold"
             )
 
     def check_ids(self, ids: list[int]) -> None:

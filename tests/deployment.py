@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,13 @@ def specmesh_up(
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def listing(log: Path) -> dict[str, tuple[int, str]]:
+    """What `specmesh up` listed once up: instance (and `specmesh-up`) -> (pid, metrics URL)."""
+    found = re.findall(r"^\s+(\S+)\s+pid (\d+)\s*(\S*)$", log.read_text(), re.M)
+    assert found, log.read_text()
+    return {name: (int(pid), url) for name, pid, url in found}
 
 
 def chat(url: str, content: str, **extra: object) -> httpx.Response:

@@ -26,7 +26,15 @@ import httpx
 import msgspec
 import pytest
 import redis
-from deployment import chat_text, heartbeats, nats_accepts, sample, scrape, specmesh_up
+from deployment import (
+    chat_text,
+    heartbeats,
+    listing,
+    nats_accepts,
+    sample,
+    scrape,
+    specmesh_up,
+)
 
 from services.gateway.cluster import Cluster, Generation
 from shared.bus import Bus
@@ -80,9 +88,7 @@ class Deployment:
         raise AssertionError(f"no process for {instance}")
 
     def launcher_metrics(self) -> str:
-        match = re.search(r"specmesh-up\s+pid \d+\s+(\S+)", self.log.read_text())
-        assert match, self.log.read_text()
-        return match.group(1)
+        return listing(self.log)["specmesh-up"][1]
 
     def restarts(self, instance: str) -> float:
         samples = scrape(self.launcher_metrics())

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from deployment import chat_text, scrape, specmesh_up
+from deployment import chat_text, listing, scrape, specmesh_up
 
 from shared.infra import start_nats
 
@@ -35,17 +35,12 @@ class Deployment:
         self.url, self.log = url, log
 
     def pid(self, kind: str) -> int:
-        match = re.search(rf"^\s+{kind}-0\s+pid (\d+)", self.log.read_text(), re.M)
-        assert match, self.log.read_text()
-        return int(match.group(1))
+        return listing(self.log)[f"{kind}-0"][0]
 
     def restarts(self) -> float:
-        match = re.search(r"specmesh-up\s+pid \d+\s+(\S+)", self.log.read_text())
-        assert match, self.log.read_text()
-        samples = scrape(match.group(1))
-        return sum(
-            v for (name, _), v in samples.items() if name == "specmesh_service_restarts_total"
-        )
+        samples = scrape(listing(self.log)["specmesh-up"][1])
+        name = "specmesh_service_restarts_total"
+        return sum(value for (sample, _), value in samples.items() if sample == name)
 
     def canary(self) -> tuple[str, float]:
         start = time.monotonic()

@@ -100,11 +100,7 @@ class TokenizerService(Service):
             text, ids = req.prompt, await self._encode(req.prompt, req.max_tokens, True)
         elif req.prompt_ids is not None:
             ids = list(req.prompt_ids)
-            if req.max_tokens is not None and len(ids) > req.max_tokens:
-                raise ValueError(
-                    f"the prompt ({len(ids)} tokens) is longer than the model's context of "
-                    f"{req.max_tokens} tokens"
-                )
+            self.tokenizer.check_fits(ids, req.max_tokens)
             self.tokenizer.check_ids(ids)
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
         else:

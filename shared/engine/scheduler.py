@@ -30,7 +30,7 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        policy: str = "fair",
+        policy: str,
     ) -> None:
         if policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule policy must be one of {', '.join(SCHEDULE_POLICIES)}")
@@ -95,18 +95,15 @@ class Scheduler:
         return kept, preempted
 
     def _admit(self, lane: int | None, budget: int, prompts: list[Sequence]) -> list[Sequence]:
-        """Waiting sequences (of `lane`) that start now, in arrival order: while the budget
-        has a token for each (fair) or some left after the prompts in progress (fcfs)."""
-        fair = self.policy == "fair"
-        if not fair:
-            budget -= sum(s.num_uncomputed for s in prompts)
+        """Waiting sequences (of `lane`) that start now, in the policy's order, while every
+        prompt of the step would still get a token of the budget."""
         waiting = [s for s in self.waiting if lane is None or s.lane == lane]
         if self.policy == "lpm":
             waiting.sort(key=lambda s: -self.block_manager.num_cached_blocks(s))
         admitted: list[Sequence] = []
         for seq in waiting:
-            starting = len(prompts) + len(admitted) if fair else 0
-            if budget <= starting or len(self.running) >= self.max_num_seqs:
+            needs = [s.num_uncomputed for s in (*prompts, *admitted, seq)]
+            if len(self.running) >= self.max_num_seqs or not all(self._shares(needs, budget)):
                 break
             # Keep a block of headroom per running sequence so admission does not
             # immediately force a preemption on the next decode step.
@@ -117,8 +114,6 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             admitted.append(seq)
-            if not fair:
-                budget -= seq.num_uncomputed
         return admitted
 
     def _shares(self, needs: list[int], budget: int) -> list[int]:

@@ -76,9 +76,6 @@ class GrammarCompiler:
         """Start compiling's process now, not at the first grammar (services do)."""
         self.worker.start()
 
-    def close(self) -> None:
-        self.worker.close()
-
 
 class GrammarMatcher:
     """One sequence's place in its grammar."""
