@@ -325,6 +325,63 @@ def test_fused_decoder_matches_torch_path_on_trees_and_aux_layers(tmp_path: Path
     assert_close(fused_cache, runner.kv_cache.storage, "cache writes")
 
 
+@pytest.mark.parametrize(
+    ("cached", "new", "heads", "kv_heads", "dim", "spread"),
+    [(0, 8, 4, 2, 16, 1.0), (100, 40, 9, 3, 64, 1.0), (300, 333, 6, 1, 48, 30.0)],
+)
+def test_tiled_causal_attention_matches_sdpa(
+    cached: int, new: int, heads: int, kv_heads: int, dim: int, spread: float
+) -> None:
+    """attention.cpp over scattered cache slots, grouped heads, a head size that is not a
+    whole number of 16-column blocks, and scores large enough that the running max moves
+    from tile to tile, equals SDPA with the causal mask over the gathered context."""
+    from kernels.cpu import load
+
+    gen = torch.Generator().manual_seed(cached + new)
+    total = cached + new
+    slots = torch.randperm(total + 20, generator=gen)[:total]
+    k_cache, v_cache = (torch.randn(total + 20, kv_heads, dim, generator=gen) for _ in "kv")
+    q = torch.randn(new, heads, dim, generator=gen) * spread
+    out = load().causal_attention(q, k_cache, v_cache, slots, cached)
+    group = heads // kv_heads
+    k, v = (c[slots].repeat_interleave(group, 1).transpose(0, 1) for c in (k_cache, v_cache))
+    mask = torch.ones(new, total, dtype=torch.bool).tril(cached)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask)
+    assert_close(out, ref.transpose(0, 1).reshape(new, heads * dim), "attention")
+
+
+def test_fused_prefill_in_chunks_matches_torch_path(tmp_path: Path) -> None:
+    """A 300-token prompt prefilled in two chunks (the second over 130 cached tokens, past
+    several key tiles and query blocks) through the fused decoder: logits at every position
+    and the cache it wrote equal the torch path's."""
+    _, path = build_hf(VARIANTS["llama-sharded"], tmp_path / "m", seed=6)
+    model = load_model(path, CPU, torch.float32)
+    runner = ModelRunner(model, KVCache(model.config, 80, BLOCK_SIZE, CPU, torch.float32))
+    assert runner.fused is not None
+    table = torch.randperm(80, generator=torch.Generator().manual_seed(0)).tolist()
+    ids = torch.randint(3, VOCAB, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def prefill() -> torch.Tensor:
+        runner.kv_cache.storage.zero_()
+        return torch.cat(
+            [
+                runner.forward(
+                    [SequenceSpan(table, start, end - start)],
+                    ids[start:end],
+                    list(range(start, end)),
+                    list(range(end - start)),
+                )[0]
+                for start, end in ((0, 130), (130, 300))
+            ]
+        )
+
+    fused = prefill()
+    fused_cache = runner.kv_cache.storage.clone()
+    runner.fused = None
+    assert_close(fused, prefill(), "logits")
+    assert_close(fused_cache, runner.kv_cache.storage, "cache writes")
+
+
 @torch.no_grad()
 def test_aux_hidden_states_match_hf_output_hidden_states(tmp_path: Path) -> None:
     hf, path = build_hf(VARIANTS["llama-sharded"], tmp_path / "m", seed=5)  # 3 layers

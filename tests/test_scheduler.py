@@ -107,9 +107,13 @@ def test_can_allocate_counts_free_cached_blocks_and_the_reserve() -> None:
 
 
 def scheduler(
-    num_blocks: int, max_seqs: int = 8, budget: int = 64, policy: str = "fair"
+    num_blocks: int,
+    max_seqs: int = 8,
+    budget: int = 64,
+    policy: str = "fair",
+    attention_tokens: int = 10**9,  # tokens only, unless a test weighs attention
 ) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, BLOCK), max_seqs, budget, policy)
+    return Scheduler(BlockManager(num_blocks, BLOCK), max_seqs, budget, policy, attention_tokens)
 
 
 def run(sched: Scheduler) -> list[tuple[str, int]]:
@@ -147,14 +151,39 @@ def test_fair_lets_a_short_prompt_pass_a_long_one_and_fcfs_does_not() -> None:
             assert sum(batch.values()) <= 8
             steps += 1
         assert steps == steps_to_first_token, policy
-    # Fair: the short one takes what it needs, the long one the rest; then it decodes
-    # beside the long one's chunks.
+    # Fair: the short one takes what it needs, the long one no more than that in the
+    # step that gives the short one its first token (a short step); then the short one
+    # decodes beside the long one's chunks.
     sched = scheduler(num_blocks=32, budget=8)
     sched.add(seq("long", range(30)))
     run(sched)
     sched.add(seq("short", range(40, 43)))
-    assert run(sched) == [("long", 5), ("short", 3)]
+    assert run(sched) == [("long", 3), ("short", 3)]
     assert run(sched) == [("short", 1), ("long", 7)]
+
+
+def test_a_long_prompts_chunks_shrink_as_its_attention_grows() -> None:
+    """With attention weighed (A = 32 tokens of context cost one token's matmuls), no step
+    costs more than the budget: a long prompt's chunks shrink as its context grows, and a
+    short prompt arriving meanwhile is prefilled whole in the next step, beside no more
+    of the long one than its own work."""
+    sched = scheduler(num_blocks=64, budget=32, attention_tokens=32)
+    long = seq("long", range(200))
+    sched.add(long)
+    sizes = []
+    while long.num_uncomputed > 1:
+        cached = long.num_computed_tokens
+        step = dict(run(sched))
+        decodes = len(step) - 1  # the short one, once prefilled
+        assert step["long"] * (1 + cached / 32) <= 32 - decodes + 1e-6
+        sizes.append(step["long"])
+        if len(sizes) == 3:
+            sched.add(seq("short", range(500, 505)))
+            step = dict(run(sched))
+            assert step == {"long": max(1, int(5 / (1 + sum(sizes) / 32))), "short": 5}
+            beside_short = step["long"]
+    assert sizes[0] == 32 and sizes == sorted(sizes, reverse=True) and sizes[-1] < 8
+    assert sum(sizes) + beside_short == 200
 
 
 def test_fair_shares_evenly_between_long_prompts() -> None:

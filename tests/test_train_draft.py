@@ -16,16 +16,27 @@ from safetensors.torch import load_file, save_file
 
 from shared.engine.engine import EngineConfig, LLMEngine
 from shared.model.config import ModelConfig
+from shared.model.llama import LlamaForCausalLM
+from shared.model.loader import load_model
 from shared.sampling.params import SamplingParams
 from shared.speculative.config import SpeculativeConfig
-from shared.speculative.eagle import EagleHead, HeadSpec, read_head_spec, save_head
+from shared.speculative.eagle import EagleHead, HeadSpec, load_head, read_head_spec, save_head
 from shared.tokenizer import Tokenizer
-from shared.training.data import read_captured, read_samples, self_distill
-from shared.training.features import capture_layers, extract, from_capture
+from shared.training.data import CaptureReader, find_captures, read_samples, self_distill
+from shared.training.eagle_trainer import Roots, collate, reached, unrolled_loss
+from shared.training.features import TargetViews, capture_layers, extract, from_capture
 from shared.training.prompts import TOPICS, training_prompts
-from shared.training.train_draft import TrainDraftConfig, train_draft
+from shared.training.train_draft import (
+    Corpus,
+    TrainDraftConfig,
+    feature_layers,
+    gather_samples,
+    split_heldout,
+    train_draft,
+)
 
 HELDOUT = Path(__file__).parents[1] / "benchmarks" / "prompts" / "chat_heldout.json"
+HEADS = Path(__file__).parents[1] / "shared" / "speculative" / "heads"
 
 
 def tiny_target(path: Path, smollm_dir: Path) -> Path:
@@ -97,11 +108,11 @@ def test_sampled_answers_are_seeded_and_labelled_by_the_targets_argmax(
         self_distill(engine, tok, prompts, tmp_path / f"{name}.jsonl", 12, layers, 1.0, seed=3)
         runs.append(read_samples(tmp_path / f"{name}.jsonl"))
     assert [s.ids for s in runs[0]] == [s.ids for s in runs[1]]  # seeded
-    captured = read_captured(tmp_path / "a.jsonl", layers, len(prompts))
+    captures = find_captures(tmp_path / "a.jsonl", layers, len(prompts))
     teacher = extract(target, runs[0], (1, 3), False)
     sampled_off_argmax = False
-    for sample, raw, view in zip(runs[0], captured, teacher, strict=True):
-        got = from_capture(target, sample, raw, False, greedy=False)
+    for sample, capture, view in zip(runs[0], captures, teacher, strict=True):
+        got = from_capture(target, CaptureReader()(capture), False, argmax=None)
         start, end = sample.spans[0]
         assert torch.equal(got.argmax[start - 1 : end - 1], view.argmax[start - 1 : end - 1])
         sampled_off_argmax |= sample.ids[start:end] != view.argmax[start - 1 : end - 1].tolist()
@@ -157,6 +168,7 @@ def test_a_tiny_mtp_layer_learns_and_is_saved_in_deepseeks_layout(
     hot = json.loads((layer / "hot_tokens.json").read_text())  # the token map beside it
     assert len(hot) == 1024 and hot == sorted(set(hot))
     assert_drafts_losslessly(target, "MTP", layer)
+    assert_training_continues(cfg, layer, history, tmp_path)
 
 
 def test_a_tiny_dflash_draft_learns_and_is_saved_in_z_labs_layout(
@@ -179,6 +191,7 @@ def test_a_tiny_dflash_draft_learns_and_is_saved_in_z_labs_layout(
     assert {"fc.weight", "hidden_norm.weight", "layers.1.self_attn.k_norm.weight"} <= names
     assert not any("embed" in n or "lm_head" in n for n in names)  # the target's
     assert_drafts_losslessly(target, "DFLASH", draft)
+    assert_training_continues(cfg, draft, history, tmp_path, on_policy_epochs=0.5)
 
 
 def test_a_tiny_standalone_draft_learns_and_is_saved_as_a_llama(
@@ -201,6 +214,32 @@ def test_a_tiny_standalone_draft_learns_and_is_saved_as_a_llama(
     assert config["tie_word_embeddings"] and config["vocab_size"] == 49152
     assert "model.embed_tokens.weight" in load_file(draft / "model.safetensors")
     assert_drafts_losslessly(target, "STANDALONE", draft)
+    assert_training_continues(cfg, draft, history, tmp_path)
+
+
+def assert_training_continues(
+    cfg: TrainDraftConfig,
+    drafter: Path,
+    history: list[dict],
+    tmp_path: Path,
+    **changes: object,
+) -> None:
+    """A run from `drafter` (--init) on the same data starts where the one that made it
+    ended (up to the bf16 it was saved in), and keeps its token map."""
+    out = tmp_path / "more"
+    shutil.copytree(Path(cfg.out) / "data", out / "data")
+    more = dataclasses.replace(cfg, out=str(out), init=str(drafter), epochs=0.2, **changes)
+    again = json.loads((train_draft(more) / "training.json").read_text())
+    start = again["history"][0]["heldout_acceptance"]
+    assert start == pytest.approx(history[-1]["heldout_acceptance"], abs=0.05), (history, again)
+    on_policy = again["total_steps"] > again["on_policy_from_step"]
+    assert (
+        on_policy == bool(changes.get("on_policy_epochs"))
+        and again["steps"] == again["total_steps"]
+    )
+    assert (out / "head" / "hot_tokens.json").read_text() == (
+        drafter / "hot_tokens.json"
+    ).read_text()
 
 
 def test_the_training_run_resumes_from_its_state(
@@ -216,6 +255,167 @@ def test_the_training_run_resumes_from_its_state(
         train_draft(TrainDraftConfig(**{**cfg.__dict__, "lr": 1e-3}))
 
 
+def corpus_views(cfg: TrainDraftConfig, count: int) -> tuple[LlamaForCausalLM, Corpus, TargetViews]:
+    """The target, the samples of `cfg`'s run and their views, as train_draft makes them."""
+    target = load_model(cfg.target, torch.device("cpu"), torch.float32)
+    num_layers = target.config.num_layers
+    layers, normed = feature_layers(cfg, num_layers)
+    capture = capture_layers(layers, normed, num_layers)
+    corpus = gather_samples(cfg, Tokenizer(cfg.target), capture, count)
+    views = TargetViews(target, corpus.samples, corpus.captures, corpus.greedy, layers, normed)
+    return target, corpus, views
+
+
+def test_views_read_per_batch_equal_views_loaded_up_front(trained: tuple[Path, Path]) -> None:
+    target_dir, head = trained
+    target, corpus, views = corpus_views(tiny_config(target_dir, head.parent), 96)
+    views.read = CaptureReader(budget=0)  # every file is closed again after a read
+    chunks: dict[Path, list[torch.Tensor]] = {}
+    for i, (sample, capture) in enumerate(zip(corpus.samples, corpus.captures, strict=True)):
+        if capture.path not in chunks:  # the eager path: a whole chunk file in memory
+            chunks[capture.path] = torch.load(capture.path, weights_only=True)["features"]
+        greedy = torch.tensor([*sample.ids[1:], 0])
+        eager = from_capture(target, chunks[capture.path][capture.index], False, greedy)
+        lazy = views[i]
+        assert torch.equal(lazy.features, eager.features) and torch.equal(lazy.final, eager.final)
+        assert torch.equal(lazy.argmax, eager.argmax)
+        assert len(views.read.files) == 1
+    assert len(corpus.samples) == 96 and len(chunks) == 1
+
+
+def test_greedy_and_sampled_answers_train_one_drafter(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    target_dir, head = trained
+    out = tmp_path / "out"
+    shutil.copytree(head.parent / "data", out / "data")  # the greedy answers
+    cfg = dataclasses.replace(
+        tiny_config(target_dir, out), num_prompts=12, temperatures="0,1", epochs=1
+    )
+    report = json.loads((train_draft(cfg) / "training.json").read_text())
+    assert report["samples"] == 24
+    assert len(read_samples(out / "data" / "self_distill-t1.jsonl")) == 12
+    target, corpus, views = corpus_views(cfg, 12)
+    assert corpus.greedy == [True] * 12 + [False] * 12 and corpus.prompts == [*range(12)] * 2
+    # Sampled answers' labels are the target's choices, from the logits, not their tokens
+    # (up to near-ties that float rounding decides).
+    sampled = corpus.samples[12:]
+    teacher = extract(target, sampled, (1, 3, 4), False)
+    labels, tokens, choices = [], [], []
+    for sample, chosen, view in zip(sampled, views.argmax[12:], teacher, strict=True):
+        start, end = sample.spans[0]
+        labels.append(chosen[start - 1 : end - 1])
+        tokens.append(torch.tensor(sample.ids[start:end]))
+        choices.append(view.argmax[start - 1 : end - 1])
+    choice = torch.cat(choices)
+    assert (torch.cat(labels) != choice).float().mean() < 0.02
+    assert (torch.cat(tokens) != choice).float().mean() > 0.2
+
+
+def test_the_heldout_split_keeps_the_answers_to_a_prompt_together() -> None:
+    prompts = [*range(40)] * 2  # two answers to each of 40 prompts
+    held, train = split_heldout(prompts, 0.25, seed=0)
+    assert sorted(held + train) == list(range(80)) and len(held) == 20
+    assert not {prompts[i] for i in held} & {prompts[i] for i in train}
+
+
+def test_training_continues_from_a_head_and_then_on_policy(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    target_dir, head = trained
+    first = json.loads((head / "training.json").read_text())["history"]
+    # The head with one draft id swapped for one the data never gives it: a vocabulary that
+    # recomputing from the same data would not give back.
+    init = tmp_path / "init"
+    shutil.copytree(head, init)
+    tensors = load_file(init / "model.safetensors")
+    ids = tensors["d2t"] + torch.arange(len(tensors["d2t"]))
+    ids[-1] += 1
+    tensors["d2t"] = ids - torch.arange(len(ids))
+    tensors["t2d"] = torch.zeros_like(tensors["t2d"]).index_fill_(0, ids, True)
+    save_file(tensors, init / "model.safetensors")
+    out = tmp_path / "out"
+    shutil.copytree(head.parent / "data", out / "data")
+    cfg = dataclasses.replace(
+        tiny_config(target_dir, out), init=str(init), epochs=0.5, on_policy_epochs=1
+    )
+    report = json.loads((train_draft(cfg) / "training.json").read_text())
+    history = report["history"]
+    # it starts where the head was (up to the swapped id), far above a fresh head
+    start = history[0]["heldout_acceptance"]
+    assert start == pytest.approx(first[-1]["heldout_acceptance"], abs=0.05), (first, history)
+    assert start > first[0]["heldout_acceptance"] + 0.2
+    assert history[-1]["heldout_acceptance"] > start - 0.05, history
+    trained_tensors = load_file(out / "head" / "model.safetensors")
+    assert torch.equal(trained_tensors["d2t"], tensors["d2t"])
+    assert not torch.equal(trained_tensors["fc.weight"], tensors["fc.weight"])
+    assert 0 < report["on_policy_from_step"] < report["steps"] == report["total_steps"]
+
+
+def test_on_policy_roots_prefer_short_chains_and_steps_count_where_chains_reach(
+    trained: tuple[Path, Path],
+) -> None:
+    valid = torch.ones(1, 100, dtype=torch.bool)
+    preference = torch.ones(1, 100)
+    preference[0, :10] = 100.0  # chains that break at once
+    preferred = Roots(0.1, torch.Generator().manual_seed(0), preference).pick(valid)
+    uniform = Roots(0.1, torch.Generator().manual_seed(0)).pick(valid)
+    assert (preferred < 10).sum() >= 7 and (uniform < 10).sum() <= 3
+    correct = torch.tensor([[True, False, True], [True, True, False], [False, True, True]])
+    assert reached(correct).tolist() == [
+        [True, True, False],
+        [True, True, True],
+        [True, False, False],
+    ]
+    # On-policy, a step's loss is counted only where the head's chain reached it.
+    target_dir, head_dir = trained
+    target, corpus, views = corpus_views(tiny_config(target_dir, head_dir.parent), 96)
+    head, _, _ = load_head(head_dir, "EAGLE3", target)
+    draft_ids = head.d2t + torch.arange(len(head.d2t))
+    batch = collate(corpus.samples, views, list(range(8)), torch.device("cpu"))
+    ones = torch.ones(8, batch.ids.shape[1] - 1)
+    losses = {}
+    for steps in (1, 3):
+        for on_policy in (False, True):
+            roots = Roots(preference=ones if on_policy else None)
+            r = unrolled_loss(head, target, batch, steps, draft_ids, roots)
+            losses[steps, on_policy] = r.loss.item()
+    assert losses[1, True] == pytest.approx(losses[1, False])
+    assert losses[3, True] < losses[3, False] - 1e-3, losses
+
+
+def test_init_refuses_a_drafter_that_does_not_fit(tiny: Path, tmp_path: Path) -> None:
+    """Each refusal comes before any data is generated (the out directory stays empty)."""
+    cases = [
+        ({"init": str(HEADS / "SmolLM2-135M-Instruct-DFLASH")}, "is a DFLASH drafter; --algo"),
+        (
+            {"init": str(HEADS / "SmolLM2-135M-Instruct-EAGLE3"), "target": str(tiny)},
+            "reads hidden size 576; the target's is 64",
+        ),
+        (
+            {"init": str(HEADS / "SmolLM2-135M-Instruct-EAGLE3"), "draft_vocab_size": 1024},
+            "give --draft-vocab-size 8192",
+        ),
+        (
+            {
+                "init": str(HEADS / "SmolLM2-135M-Instruct-DFLASH"),
+                "algorithm": "DFLASH",
+                "draft_layers": 2,
+            },
+            "reads target layers [1, 14, 27] in blocks of 8; --draft-layers 2",
+        ),
+        (
+            {"init": str(HEADS / "SmolLM2-135M-Instruct-STANDALONE"), "algorithm": "STANDALONE"},
+            "give --draft-layers 4 --draft-hidden-size 160",
+        ),
+        ({"init": str(tmp_path)}, "no config.json"),
+    ]
+    for changes, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            train_draft(TrainDraftConfig(**{"out": str(tmp_path / "out"), **changes}))
+    assert not (tmp_path / "out" / "data").exists()
+
+
 def test_bad_training_input_fails_before_loading(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n')
@@ -223,8 +423,12 @@ def test_bad_training_input_fails_before_loading(tmp_path: Path) -> None:
         train_draft(TrainDraftConfig(algorithm="MEDUSA", out=str(tmp_path)))
     with pytest.raises(ValueError, match="no such file"):
         train_draft(TrainDraftConfig(out=str(tmp_path), data=str(tmp_path / "missing.jsonl")))
-    with pytest.raises(ValueError, match="temperature"):
-        train_draft(TrainDraftConfig(out=str(tmp_path), temperature=-1))
+    with pytest.raises(ValueError, match="temperatures"):
+        train_draft(TrainDraftConfig(out=str(tmp_path), temperatures="0,-1"))
+    with pytest.raises(ValueError, match="temperatures"):
+        train_draft(TrainDraftConfig(out=str(tmp_path), temperatures="0,greedy"))
+    with pytest.raises(ValueError, match="STANDALONE learns at every position"):
+        train_draft(TrainDraftConfig(out=str(tmp_path), algorithm="STANDALONE", on_policy_epochs=1))
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
         train_draft(TrainDraftConfig(out=str(tmp_path), data=str(bad), num_prompts=0))
     with pytest.raises(ValueError, match="self-prompts"):

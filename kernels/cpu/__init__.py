@@ -1,7 +1,8 @@
-"""C++ CPU kernels (`matmul.cpp`: matmuls over column-blocked weights; `decoder.cpp`: the
-fused decoder step; `pool.cpp`: the thread pool both run their jobs on), compiled on first
-use by torch's extension builder and cached under ~/.cache/torch_extensions. Without a
-compiler or AVX2 they are simply absent and the model runs its plain torch path."""
+"""C++ CPU kernels (`matmul.cpp`: matmuls over column-blocked weights; `attention.cpp`:
+tiled causal attention for prefill; `decoder.cpp`: the fused decoder step; `pool.cpp`: the
+thread pool they run their jobs on), compiled on first use by torch's extension builder and
+cached under ~/.cache/torch_extensions. Without a compiler or AVX2 they are simply absent
+and the model runs its plain torch path."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("decoder.cpp", "matmul.cpp", "pool.cpp")
+SOURCES = ("attention.cpp", "decoder.cpp", "matmul.cpp", "pool.cpp")
 
 
 @functools.cache

@@ -1,37 +1,24 @@
-// A Llama-family decoder's forward for a few rows (decode and verification) on CPU.
+// A Llama-family decoder's forward on CPU, for steps of any size.
 //
-// A step over few rows is bound by reading the weights. The matmuls stream the weights'
-// column blocks (matmul.cpp); everything between them (norms, RoPE, KV writes, paged
-// attention reading the cache in place, SiLU, residuals) runs here in C++, so a step has
-// no Python and no per-op dispatch between the layers' matmuls.
+// A step over few rows (decode, verification) is bound by reading the weights, a prefill
+// chunk by the FMA units. The matmuls stream the weights' column blocks (matmul.cpp);
+// everything between them (norms, RoPE, KV writes, paged attention reading the cache in
+// place, SiLU, residuals) runs here in C++, so a step has no Python and no per-op
+// dispatch between the layers' matmuls.
 #include <immintrin.h>
 #include <torch/extension.h>
 
 #include <cmath>
 #include <vector>
 
+#include "attention.h"
 #include "matmul.h"
 #include "pool.h"
+#include "simd.h"
 
 namespace {
 
 using torch::Tensor;
-
-inline float hsum(__m256 a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
-
-inline float dot(const float* a, const float* b, int64_t k) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= k; i += 8)
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float total = hsum(acc);
-  for (; i < k; ++i) total += a[i] * b[i];
-  return total;
-}
 
 void rms_norm(const float* x, const float* weight, float eps, int64_t rows, int64_t dim,
               float* out) {
@@ -54,7 +41,20 @@ void rope(float* heads, int64_t count, int64_t dim, const float* cos, const floa
   }
 }
 
-inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+// silu(gate) * up over `n` floats (n a multiple of 8 or not).
+void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + j);
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(silu, _mm256_loadu_ps(up + j)));
+  }
+  for (; j < n; ++j) out[j] = gate[j] / (1.f + std::exp(-gate[j])) * up[j];
+}
+
+// Causal spans of at least this many new rows attend through attention.cpp's tiles.
+constexpr int64_t TILED_MIN_ROWS = 8;
 
 // Weights of one decoder layer (matmul weights from block_weight; biases may be empty
 // tensors) and its K/V caches.
@@ -100,7 +100,6 @@ class Decoder {
     const int64_t inter = layers_.at(0).down.size(1);
     Tensor act = torch::empty({rows, inter}, opts);
     float* ap = act.data_ptr<float>();
-    std::vector<float> rope_tmp(dim_);
     const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
     const int64_t* slot_of_row = slot_mapping.data_ptr<int64_t>();
     Spans s{spans.data_ptr<int64_t>(), spans.size(0), slots.data_ptr<int64_t>(),
@@ -114,12 +113,15 @@ class Decoder {
       float* qp = qkv.data_ptr<float>();
       float* kc = l.k_cache.data_ptr<float>();
       float* vc = l.v_cache.data_ptr<float>();
-      for (int64_t r = 0; r < rows; ++r) {
-        float* row = qp + r * qkv_size;
-        rope(row, heads_ + kv_heads_, dim_, cp + r * dim_, sp + r * dim_, rope_tmp.data());
-        std::copy(row + q_size, row + q_size + kv_size, kc + slot_of_row[r] * kv_size);
-        std::copy(row + q_size + kv_size, row + qkv_size, vc + slot_of_row[r] * kv_size);
-      }
+      parallel_jobs(rows, [&](int64_t begin, int64_t end) {
+        std::vector<float> rope_tmp(dim_);
+        for (int64_t r = begin; r < end; ++r) {
+          float* row = qp + r * qkv_size;
+          rope(row, heads_ + kv_heads_, dim_, cp + r * dim_, sp + r * dim_, rope_tmp.data());
+          std::copy(row + q_size, row + q_size + kv_size, kc + slot_of_row[r] * kv_size);
+          std::copy(row + q_size + kv_size, row + qkv_size, vc + slot_of_row[r] * kv_size);
+        }
+      });
       attention(qp, qkv_size, kc, vc, s, attn.data_ptr<float>());
       h = blocked_linear(attn, l.o, hidden_, l.o_bias, h);
       rms_norm(h.data_ptr<float>(), l.post_norm.data_ptr<float>(), eps_, rows, hidden_,
@@ -128,8 +130,7 @@ class Decoder {
       const float* gp = gate_up.data_ptr<float>();
       parallel_jobs(rows, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r)
-          for (int64_t j = 0; j < inter; ++j)
-            ap[r * inter + j] = silu(gp[r * 2 * inter + j]) * gp[r * 2 * inter + inter + j];
+          silu_mul(gp + r * 2 * inter, gp + r * 2 * inter + inter, inter, ap + r * inter);
       });
       h = blocked_linear(act, l.down, hidden_, l.down_bias, h);
       for (size_t a = 0; a < aux_layers.size(); ++a)
@@ -144,14 +145,25 @@ class Decoder {
  private:
   // Softmax attention of each query head over its span's visible context, reading K and V
   // in place from the paged caches. q rows have stride `ld`; out is [rows, heads * dim].
+  // Causal spans of many rows (prefill chunks) take the tiled kernel; the others (decode
+  // rows, draft trees with their masks) one row at a time here.
   void attention(const float* q, int64_t ld, const float* kc, const float* vc, const Spans& s,
                  float* out) const {
+    std::vector<const int64_t*> rowwise;
+    for (int64_t i = 0; i < s.count; ++i) {
+      const int64_t* span = s.table + i * 5;
+      if (span[4] < 0 && span[1] >= TILED_MIN_ROWS)
+        causal_attention(q + span[0] * ld, ld, kc, vc, s.slots + span[3], span[2], span[1],
+                         heads_, kv_heads_, dim_, out + span[0] * heads_ * dim_);
+      else
+        rowwise.push_back(span);
+    }
     const int64_t group = heads_ / kv_heads_, kv_size = kv_heads_ * dim_;
     const float scale = 1.f / std::sqrt(static_cast<float>(dim_));
-    parallel_jobs(s.count * heads_, [&](int64_t begin, int64_t end) {
+    parallel_jobs(rowwise.size() * heads_, [&](int64_t begin, int64_t end) {
       std::vector<float> p;
       for (int64_t job = begin; job < end; ++job) {
-        const int64_t* span = s.table + (job / heads_) * 5;
+        const int64_t* span = rowwise[job / heads_];
         const int64_t h = job % heads_, kv_off = (h / group) * dim_;
         const int64_t first = span[0], num_new = span[1], cached = span[2];
         const int64_t* ctx = s.slots + span[3];
@@ -187,6 +199,24 @@ class Decoder {
   int64_t heads_, kv_heads_, dim_, hidden_;
 };
 
+// attention.h's causal_attention over tensors: q [num_new, heads, dim], caches [slots,
+// kv_heads, dim], ctx [num_cached + num_new] slots. Returns [num_new, heads * dim].
+Tensor causal_attention_op(Tensor q, Tensor k_cache, Tensor v_cache, Tensor ctx,
+                           int64_t num_cached) {
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "contiguous q and caches");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
+                  v_cache.scalar_type() == torch::kFloat && ctx.scalar_type() == torch::kLong,
+              "fp32 q and caches, int64 slots");
+  const int64_t num_new = q.size(0), heads = q.size(1), dim = q.size(2);
+  TORCH_CHECK(ctx.numel() == num_cached + num_new, "a slot per context token");
+  Tensor out = torch::empty({num_new, heads * dim}, q.options());
+  causal_attention(q.data_ptr<float>(), heads * dim, k_cache.data_ptr<float>(),
+                   v_cache.data_ptr<float>(), ctx.data_ptr<int64_t>(), num_cached, num_new,
+                   heads, k_cache.size(1), dim, out.data_ptr<float>());
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -195,6 +225,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           int64_t>())
       .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("block_weight", &block_weight);
+  m.def("causal_attention", &causal_attention_op,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("blocked_linear", &blocked_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("set_num_threads", &set_num_threads);
   m.def("get_num_threads", &get_num_threads);

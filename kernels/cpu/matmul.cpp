@@ -117,6 +117,20 @@ void tile_rows(int64_t rows, const float* x, const float* w, int64_t K, const Ta
   else tile<R>(x, w, K, t);
 }
 
+// x [rows, K] times one 16-column block w [K, 16], in tiles of even sizes (8 rows: 4 + 4,
+// not 6 + 2: a tile of few rows has too few accumulators to keep both FMA units busy);
+// `t` addresses the first row's outputs.
+void block_rows(const float* x, int64_t rows, int64_t K, const float* w, Target t) {
+  const int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+  for (int64_t i = 0; i < tiles; ++i) {
+    const int64_t tile = rows / tiles + (i < rows % tiles);
+    tile_rows<12>(tile, x, w, K, t);
+    x += tile * K;
+    t.y += tile * t.ld;
+    if (t.residual) t.residual += tile * t.ld;
+  }
+}
+
 const float* data_or_null(const torch::Tensor& t) {
   return t.numel() ? t.data_ptr<float>() : nullptr;
 }
@@ -153,18 +167,17 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& blocke
   parallel_jobs(blocks * chunks, [&](int64_t begin, int64_t end) {
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / chunks, col = b * COLS, first = (job % chunks) * JOB_ROWS;
-      // Even tiles (8 rows: 4 + 4, not 6 + 2): a tile of few rows has too few
-      // accumulators to keep both FMA units busy.
-      const int64_t rows = std::min(m, first + JOB_ROWS) - first;
-      const int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
-      for (int64_t i = 0, r = first; i < tiles; ++i) {
-        const int64_t tile = rows / tiles + (i < rows % tiles);
-        Target t{yp + r * n + col, bp ? bp + col : nullptr, rp ? rp + r * n + col : nullptr, n,
-                 std::min(COLS, n - col)};
-        tile_rows<12>(tile, xp + r * k, wp + b * k * COLS, k, t);
-        r += tile;
-      }
+      Target t{yp + first * n + col, bp ? bp + col : nullptr,
+               rp ? rp + first * n + col : nullptr, n, std::min(COLS, n - col)};
+      block_rows(xp + first * k, std::min(m, first + JOB_ROWS) - first, k, wp + b * k * COLS, t);
     }
   });
   return y;
+}
+
+void matmul_rows(const float* x, int64_t rows, int64_t k, const float* w, int64_t n, float* y,
+                 int64_t ld, bool accumulate) {
+  for (int64_t col = 0; col < n; col += COLS)
+    block_rows(x, rows, k, w + col * k, {y + col, nullptr, accumulate ? y + col : nullptr, ld,
+                                         std::min(COLS, n - col)});
 }

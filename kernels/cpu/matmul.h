@@ -13,3 +13,9 @@ torch::Tensor block_weight(const torch::Tensor& weight);
 // block_weight and N its weight's row count.
 torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& blocked, int64_t n,
                              const torch::Tensor& bias, const std::optional<torch::Tensor>& residual);
+
+// y [rows, n] = x [rows, k] @ w (+ y itself where `accumulate`), w in block_weight's
+// layout ([ceil(n / 16), k, 16], zero-padded); y's rows are `ld` apart. On the calling
+// thread: for callers that split the work into jobs themselves (attention tiles).
+void matmul_rows(const float* x, int64_t rows, int64_t k, const float* w, int64_t n, float* y,
+                 int64_t ld, bool accumulate);

@@ -229,7 +229,11 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None  # built by the first constrained request
         self.block_manager = BlockManager(self.kv_cache.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(
-            self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.schedule_policy
+            self.block_manager,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            cfg.schedule_policy,
+            mcfg.attention_tokens,
         )
         eos = frozenset(self.eos_token_ids)
         max_bs = cfg.cuda_graph_max_bs or cfg.max_num_seqs

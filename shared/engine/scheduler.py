@@ -6,8 +6,17 @@ to the oldest prompt first (a long prompt holds back every prompt behind it unti
 it is done); `lpm` (SGLang's longest prefix match) is fcfs with waiting prompts
 taken in order of their cached prefix, longest first; `fair` shares it evenly
 among the prompts in progress, what a short one does not need going to the
-others, so a short prompt's first token does not wait for a long one. When the
-KV cache runs out, the newest running sequence is preempted and later recomputed.
+others, so a short prompt's first token does not wait for a long one; and a step
+that finishes a prompt gives the unfinished ones no more work than the finished
+ones take, so that step stays short. When the KV cache runs out, the newest running
+sequence is preempted and later recomputed.
+
+The budget counts work, not only tokens: a chunk of n prompt tokens after c computed
+ones costs n (1 + c / A) budget tokens, its matmuls plus its attention over the c cached
+tokens, where A (`attention_tokens`) is how many tokens of context cost one token's
+matmuls. Late chunks of a long prompt are smaller, so no step, and no other request's
+token behind it, waits for one long chunk attending over thousands of tokens. Decode
+rows count one token each.
 
 With lanes (overlapped speculation) each call schedules one lane's sequences:
 a sequence keeps the lane it was given, and preemption stays within the lane,
@@ -31,13 +40,16 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         policy: str,
+        attention_tokens: int,
     ) -> None:
+        """`attention_tokens`: A above (`ModelConfig.attention_tokens`)."""
         if policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule policy must be one of {', '.join(SCHEDULE_POLICIES)}")
         self.policy = policy
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.attention_tokens = attention_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -72,7 +84,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens - len(decoding)
         if not preempted:
             prompts += self._admit(lane, budget, prompts)
-        shares = self._shares([s.num_uncomputed for s in prompts], budget)
+        shares = self._shares(prompts, budget)
         batch = [(s, 1) for s in decoding]
         return batch + [(s, n) for s, n in zip(prompts, shares, strict=True) if n]
 
@@ -102,8 +114,8 @@ class Scheduler:
             waiting.sort(key=lambda s: -self.block_manager.num_cached_blocks(s))
         admitted: list[Sequence] = []
         for seq in waiting:
-            needs = [s.num_uncomputed for s in (*prompts, *admitted, seq)]
-            if len(self.running) >= self.max_num_seqs or not all(self._shares(needs, budget)):
+            step = [*prompts, *admitted, seq]
+            if len(self.running) >= self.max_num_seqs or not all(self._shares(step, budget)):
                 break
             # Keep a block of headroom per running sequence so admission does not
             # immediately force a preemption on the next decode step.
@@ -116,13 +128,37 @@ class Scheduler:
             admitted.append(seq)
         return admitted
 
-    def _shares(self, needs: list[int], budget: int) -> list[int]:
-        """Tokens for each prompt: in order (fcfs, lpm), or evenly, the prompts that need
-        less than an even share leaving the rest to the others (fair)."""
+    def _shares(self, prompts: list[Sequence], budget: float) -> list[int]:
+        """Tokens for each prompt: the budget's work in order (fcfs, lpm), or evenly, the
+        prompts that need less than an even share leaving the rest to the others, and
+        those left unfinished sharing no more than the finished ones take (fair); a
+        token at least, so that every prompt of the step moves."""
         fair = self.policy == "fair"
-        shares = [0] * len(needs)
-        order = sorted(range(len(needs)), key=needs.__getitem__) if fair else range(len(needs))
+        cached = [s.num_computed_tokens for s in prompts]
+        costs = [self._cost(s.num_uncomputed, c) for s, c in zip(prompts, cached, strict=True)]
+        shares = [0] * len(prompts)
+        order = sorted(range(len(prompts)), key=costs.__getitem__) if fair else range(len(prompts))
+        finished = 0.0  # work of the prompts this step finishes (fair; the cheapest come first)
         for k, i in enumerate(order):
-            shares[i] = min(needs[i], budget // (len(needs) - k) if fair else budget)
-            budget -= shares[i]
+            even = budget / (len(prompts) - k)
+            if fair and finished and costs[i] > even:  # no prompt from here on finishes
+                budget = min(budget, finished)
+                even = budget / (len(prompts) - k)
+            work = min(costs[i], even if fair else budget)
+            if work <= 0:
+                break
+            tokens = self._tokens_within(work, cached[i])
+            shares[i] = max(1, min(prompts[i].num_uncomputed, tokens))
+            budget -= self._cost(shares[i], cached[i])
+            if shares[i] == prompts[i].num_uncomputed:
+                finished += self._cost(shares[i], cached[i])
         return shares
+
+    def _cost(self, tokens: int, cached: int) -> float:
+        """Budget tokens that prefilling `tokens` after `cached` computed ones costs."""
+        return tokens * (1 + cached / self.attention_tokens)
+
+    def _tokens_within(self, work: float, cached: int) -> int:
+        """The most tokens whose cost after `cached` computed ones stays within `work` (to
+        a millionth of a token, so that rounding never takes a whole token away)."""
+        return int(work / (1 + cached / self.attention_tokens) + 1e-6)

@@ -37,8 +37,9 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None  # [Bd] indices into the T new tokens
     decode_slots: torch.Tensor | None  # [Bd, max_ctx] context slots, padded
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_ctx] True = attend; None = all
-    # Every other sequence attends on its own: (first row, rows, context slots, mask [q, ctx]).
-    extends: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+    # Every other sequence attends on its own: (first row, rows, context slots, mask
+    # [q, ctx], or None where its new rows are causal over a fully visible prefix).
+    extends: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
 
 
 class AttentionBackend(Protocol):
@@ -98,12 +99,12 @@ class TorchAttention:
                 decode_rows.append(row)
                 decode_ctx.append(slots)
             else:
-                new_mask = span.mask
-                if new_mask is None:
-                    new_mask = torch.ones(span.num_new, span.num_new, dtype=torch.bool).tril()
-                prefix = torch.ones(span.num_new, span.num_cached, dtype=torch.bool)
-                mask = torch.cat([prefix, new_mask.cpu()], dim=1)
-                extends.append((row, span.num_new, slots.to(device), mask.to(device)))
+                mask = None
+                if span.mask is not None or device.type != "cpu":
+                    mask = torch.ones(span.num_new, total, dtype=torch.bool).tril(span.num_cached)
+                    if span.mask is not None:
+                        mask[:, span.num_cached :] = span.mask.cpu()
+                extends.append((row, span.num_new, slots.to(device), _to(mask, device)))
             row += span.num_new
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_mapping).to(device),
@@ -153,18 +154,62 @@ class TorchAttention:
         if od is not None:
             out[meta.decode_rows] = od.reshape(-1, num_heads, head_dim)
         for start, n, slots, mask in meta.extends:
-            # Fold the query heads of each KV group into the row dimension (no K/V repeat).
-            qe = q[start : start + n].view(n, kv_heads, group, head_dim).permute(1, 2, 0, 3)
-            qe = qe.reshape(kv_heads, group * n, head_dim)
             ke, ve = (_gather(c, slots, q.dtype).transpose(0, 1) for c in (k_cache, v_cache))
-            # 4-D, so that CPU SDPA takes its tiled (flash) kernel rather than one that
-            # materializes all [group * n, context] scores.
-            oe = F.scaled_dot_product_attention(
-                qe[None], ke[None], ve[None], attn_mask=mask.repeat(group, 1)
-            )
-            oe = oe.view(kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
-            out[start : start + n] = oe.reshape(n, num_heads, head_dim)
+            attend = _masked if mask is not None else _causal_over_prefix
+            out[start : start + n] = attend(q[start : start + n], ke, ve, mask)
         return out.view(num_tokens, num_heads * head_dim)
+
+
+def _to(mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if mask is None else mask.to(device)
+
+
+def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[n, H, D] -> [1, KVH, group * n, D]: the query heads of each KV group folded into
+    rows (head kv * group + g, row i at g * n + i), so K/V need no repeat."""
+    n, heads, dim = q.shape
+    return (
+        q.view(n, kv_heads, heads // kv_heads, dim)
+        .permute(1, 2, 0, 3)
+        .reshape(1, kv_heads, -1, dim)
+    )
+
+
+def _ungrouped(o: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of `_grouped` for outputs: [..., KVH, group * n, D] -> [n, H, D]."""
+    return o.reshape(-1, n, o.shape[-1]).transpose(0, 1)
+
+
+def _masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [n, H, D] over k, v [KVH, ctx, D] through mask [n, ctx]. 4-D, so that CPU SDPA
+    takes its tiled (flash) kernel rather than one that materializes all scores."""
+    group = q.shape[1] // k.shape[0]
+    o = F.scaled_dot_product_attention(
+        _grouped(q, k.shape[0]), k[None], v[None], attn_mask=mask.repeat(group, 1)
+    )
+    return _ungrouped(o, len(q))
+
+
+def _causal_over_prefix(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _: None = None
+) -> torch.Tensor:
+    """New rows q [n, H, D] causal among themselves over a prefix they all see (k, v
+    [KVH, ctx, D], the new tokens last), with no mask at all: the unmasked prefix and the
+    causal diagonal block each through CPU's flash kernel, which returns its log-sum-exp
+    L per row, merged as o = o1 e^(L1 - L) + o2 e^(L2 - L) with L = log(e^L1 + e^L2)."""
+    n, heads, _ = q.shape
+    kv_heads = k.shape[0]
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    group = heads // kv_heads
+    kd, vd = (x[:, -n:].repeat_interleave(group, 0)[None] for x in (k, v))
+    o2, l2 = flash(q.transpose(0, 1)[None], kd, vd, 0.0, True)  # [1, H, n, D], [1, H, n]
+    o2, l2 = o2[0].transpose(0, 1), l2[0].transpose(0, 1)
+    if k.shape[1] == n:
+        return o2
+    o1, l1 = flash(_grouped(q, kv_heads), k[None, :, :-n], v[None, :, :-n], 0.0, False)
+    o1, l1 = _ungrouped(o1, n), _ungrouped(l1[..., None], n)[..., 0]
+    lse = torch.logaddexp(l1, l2)
+    return o1 * (l1 - lse).exp()[..., None] + o2 * (l2 - lse).exp()[..., None]
 
 
 # Backends by name, each imported only when chosen, so CPU use never needs a GPU backend's

@@ -247,6 +247,18 @@ class ModelConfig:
         return tuple(i for i in range(self.num_layers) if not self.is_linear_layer(i))
 
     @property
+    def attention_tokens(self) -> int:
+        """Tokens of context that one token attends over for the work of its matmuls:
+        multiply-adds per token of every layer's projections and (dense) MLP, over those
+        per context token of the attention layers (2 x heads x head_dim: q.k and p.v).
+        The scheduler weighs prompt chunks by it."""
+        q_o = 2 * self.hidden_size * self.num_heads * self.head_dim
+        k_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        per_context_token = 2 * self.num_heads * self.head_dim * len(self.attention_layers)
+        return max(1, (q_o + k_v + mlp) * self.num_layers // per_context_token)
+
+    @property
     def kv_elements_per_token(self) -> int:
         """K and V elements one token occupies across all layers (times dtype size = bytes)."""
         return len(self.attention_layers) * 2 * self.num_kv_heads * self.head_dim

@@ -1,8 +1,7 @@
-"""The decoder's forward over a few rows (decode, verification) in one call into the C++
-CPU kernel (`kernels/cpu/decoder.cpp`): the same blocked matmuls as the packed `Linear`s,
-with no Python between them and attention reading the paged cache in place. Same maths as
-`LlamaForCausalLM.forward`; prefill-sized batches keep the torch path, whose attention
-is faster for long spans."""
+"""The decoder's forward in one call into the C++ CPU kernel (`kernels/cpu/decoder.cpp`):
+the same blocked matmuls as the packed `Linear`s, with no Python between them and
+attention reading the paged cache in place (tiled for prefill chunks, row by row for
+decode rows and draft trees). Same maths as `LlamaForCausalLM.forward`."""
 
 from __future__ import annotations
 
@@ -12,10 +11,6 @@ from torch import nn
 from shared.model.attention import SequenceSpan, context_slots
 from shared.model.layers import Linear
 from shared.model.llama import LlamaForCausalLM
-
-# Up to this many rows per step go through the kernel; its attention is a plain loop,
-# fine for decode and draft trees, slower than SDPA over a long prompt.
-FUSED_MAX_ROWS = 32
 
 
 def _weights(layer: nn.Module) -> list[torch.Tensor]:
@@ -79,7 +74,7 @@ class FusedDecoder:
         block_size: int,
         aux_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """As `LlamaForCausalLM.forward`, for at most FUSED_MAX_ROWS rows."""
+        """As `LlamaForCausalLM.forward`."""
         table, slots, new_slots, masks = [], [], [], []
         row = slot_offset = mask_offset = 0
         for span in spans:

@@ -11,7 +11,7 @@ from shared.core.sequence import Sequence
 from shared.core.tree import DraftTree
 from shared.kvcache.kv_cache import KVCache, TreeStates
 from shared.model.attention import SequenceSpan, TorchAttention
-from shared.model.fused import FUSED_MAX_ROWS, FusedDecoder
+from shared.model.fused import FusedDecoder
 from shared.model.gated_deltanet import LinearMetadata
 from shared.model.layers import pack_linears
 from shared.model.llama import LlamaForCausalLM
@@ -46,9 +46,9 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.eos_token_ids = eos_token_ids
-        # Few rows go through the fused C++ decoder where it applies; the rest (prefill)
-        # through the model's torch path. The decoder stands in for the torch attention
-        # backend only: another backend, once chosen, runs every step.
+        # Steps go through the fused C++ decoder where it applies, the rest through the
+        # model's torch path. The decoder stands in for the torch attention backend only:
+        # another backend, once chosen, runs every step.
         self.fused = None
         if isinstance(model.attention_backend, TorchAttention):
             self.fused = FusedDecoder.build(model, kv_cache.layers)
@@ -84,7 +84,7 @@ class ModelRunner:
         block_size = self.kv_cache.block_size
         out = None
         plain = embeds is None  # only the model's torch path takes embeddings in
-        if plain and self.fused is not None and len(input_ids) <= FUSED_MAX_ROWS:
+        if plain and self.fused is not None:
             out = self.fused.forward(ids, pos, spans, block_size, aux_layers)
         elif plain and self.graphs is not None:
             out = self.graphs.run(spans, ids, pos, aux_layers)  # None: not a decode step

@@ -132,6 +132,7 @@ def self_written_prompts(
     tokenizer: Tokenizer,
     count: int,
     exclude: list[str],
+    out: Path,
     seed: int = 0,
     temperature: float = 1.0,
     batch: int = 256,
@@ -139,28 +140,40 @@ def self_written_prompts(
     """`count` user requests the target writes itself when given only the chat template's
     opening up to the user turn (Magpie, Xu et al. 2024): an instruction-tuned model then
     samples what its users ask. Kept: finished, mostly-ASCII requests of 3-80 words, each
-    once, none near a prompt of `exclude` (an evaluation set stays unseen)."""
+    once, none near a prompt of `exclude` (an evaluation set stays unseen). Each batch's
+    keepers are appended to `out` (JSONL, one line per batch), so a stopped run resumes."""
     opening = tokenizer.apply_chat_template([{"role": "user", "content": "\x00"}])
     prefix = tokenizer.encode(opening.split("\x00")[0])
     excluded = [_content_words(p) for p in exclude]
-    kept: dict[str, str] = {}
-    for first in range(0, 50 * count, batch):  # bounded: a target that never ends its turn
+    done = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    kept = {" ".join(p.lower().split()): p for line in done for p in line["prompts"]}
+    bar = tqdm(total=count, initial=min(len(kept), count), desc="self-written prompts")
+    # bounded: a target that never ends its turn
+    for first in range(len(done) * batch, 50 * count, batch):
+        if len(kept) >= count:
+            break
         params = [
             SamplingParams(temperature=temperature, top_p=0.95, max_tokens=64, seed=seed + i)
             for i in range(first, first + batch)
         ]
+        new: list[str] = []
         for ids in engine.generate([prefix] * batch, params):
             text = tokenizer.decode(ids[:-1]).strip()
             words = _content_words(text)
+            key = " ".join(text.lower().split())
             if (
                 ids[-1:] == [tokenizer.eos_token_id]
                 and 3 <= len(text.split()) <= 80
                 and sum(c.isascii() for c in text) >= 0.95 * len(text)
                 and not any(len(words & other) >= 2 for other in excluded)
+                and key not in kept
             ):
-                kept.setdefault(" ".join(text.lower().split()), text)
-        if len(kept) >= count:
-            break
+                kept[key] = text
+                new.append(text)
+        with out.open("a") as f:
+            f.write(json.dumps({"prompts": new}) + "\n")
+        bar.update(min(len(new), count - bar.n))
+    bar.close()
     return list(kept.values())[:count]
 
 
@@ -200,21 +213,56 @@ def features_path(out: Path, start: int) -> Path:
     return out.with_name(f"{out.stem}.features.{start:06d}.pt")
 
 
-def read_captured(out: Path, layers: tuple[int, ...], count: int) -> list[torch.Tensor | None]:
-    """Per sample of `out`, the features `self_distill` kept for `layers` (None if none); a
-    capture of more layers serves one of its last ones (EAGLE reads the last of EAGLE-3's)."""
-    captured: list[torch.Tensor | None] = [None] * count
+@dataclass(frozen=True)
+class Capture:
+    """Where `self_distill` kept a sample's target layers: entry `index` of the chunk file
+    `path`, which holds `kept` layers, of which the last `wanted` are read."""
+
+    path: Path
+    index: int
+    kept: int
+    wanted: int
+
+
+def find_captures(out: Path, layers: tuple[int, ...], count: int) -> list[Capture | None]:
+    """Per sample of `out`, where `self_distill` kept features for `layers` (None if none);
+    a capture of more layers serves one of its last ones (EAGLE reads the last of
+    EAGLE-3's). Reads no features: the chunk files are memory-mapped."""
+    captures: list[Capture | None] = [None] * count
     for path in sorted(out.parent.glob(f"{out.stem}.features.*.pt")):
-        saved = torch.load(path, weights_only=True)
+        saved = torch.load(path, mmap=True, weights_only=True)
         start = int(path.suffixes[-2].lstrip("."))
         kept = tuple(saved["layers"])
         if kept[len(kept) - len(layers) :] != layers:
             continue
-        for i, tensor in enumerate(saved["features"][: max(0, count - start)]):
-            # the columns of the last len(layers) layers kept
-            captured[start + i] = tensor.view(len(tensor), len(kept), -1)[:, -len(layers) :]
-            captured[start + i] = captured[start + i].reshape(len(tensor), -1)
-    return captured
+        for i in range(min(len(saved["features"]), max(0, count - start))):
+            captures[start + i] = Capture(path, i, len(kept), len(layers))
+    return captures
+
+
+class CaptureReader:
+    """Reads captured features from their chunk files, each memory-mapped when first read
+    and kept open. The pages read stay resident while their file is mapped, so all files
+    are closed once `budget` bytes have been read through them: memory stays bounded
+    whatever the data's size (reopening costs ~0.1 s a file)."""
+
+    def __init__(self, budget: int = 1 << 30) -> None:
+        self.budget = budget
+        self.files: dict[Path, list[torch.Tensor]] = {}
+        self.read = 0
+
+    def __call__(self, capture: Capture) -> torch.Tensor:
+        """[N, wanted * hidden] bf16: the sample's rows (the last one zero)."""
+        if self.read > self.budget:
+            self.files.clear()
+            self.read = 0
+        if capture.path not in self.files:
+            saved = torch.load(capture.path, mmap=True, weights_only=True)
+            self.files[capture.path] = saved["features"]
+        tensor = self.files[capture.path][capture.index]
+        self.read += tensor.nbytes
+        n = len(tensor)
+        return tensor.view(n, capture.kept, -1)[:, -capture.wanted :].reshape(n, -1)
 
 
 def _messages(record: dict[str, Any], where: str) -> list[dict[str, str]]:

@@ -8,7 +8,10 @@ share one pass: their queries attend to the sample's context keys before their a
 and to their own block only. Loss: soft cross-entropy against the target over the draft
 vocabulary (the token map drafting scores), on positions whose target choice is in it,
 weighted exp(-(k-1)/7) (SpecForge's gamma). Held-out acceptance: 1 + the mean number of
-leading block positions whose greedy draft is the target's choice.
+leading block positions whose greedy draft is the target's choice. On-policy (see
+`eagle_trainer.py`): anchors are drawn as the roots are there, and block index k's loss
+counts only where the drafts at 1..k-1 of its block were right (the weights' sum, the
+denominator, stays that of all learned positions).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch.nn.functional as F
 from shared.model.llama import LlamaForCausalLM
 from shared.speculative.dflash import DFlashDraft, DFlashSpec, default_target_layers
 from shared.tokenizer import Tokenizer
-from shared.training.eagle_trainer import Batch, StepResult, pick_roots, soft_cross_entropy
+from shared.training.eagle_trainer import Batch, Roots, StepResult, reached, soft_cross_entropy
 
 DECAY_GAMMA = 7.0
 
@@ -89,11 +92,11 @@ def block_loss(
     target: LlamaForCausalLM,
     batch: Batch,
     vocab_ids: torch.Tensor,
-    anchor_fraction: float = 1.0,
-    generator: torch.Generator | None = None,
+    anchors: Roots,
 ) -> StepResult:
-    """`vocab_ids`: the target ids the draft scores (ascending). Loss and accuracy over
-    `anchor_fraction` of each sample's learned positions as anchors."""
+    """`vocab_ids`: the target ids the draft scores (ascending). Loss and accuracy over the
+    `anchors` picked among each sample's learned positions; on-policy, a block position
+    counts only where the drafts before it in its block were all right."""
     s, length = batch.ids.shape
     block, device = draft.spec.block_size, batch.ids.device
     embed = target.embed_tokens.weight
@@ -102,25 +105,26 @@ def block_loss(
         (k.view(s, length, *k.shape[1:]), v.view(s, length, *v.shape[1:]))
         for k, v in draft.context(batch.features.flatten(0, 1), positions.repeat(s))
     ]
-    anchors = pick_roots(batch.learned, anchor_fraction, generator)  # [S, r]
-    at = anchors[..., None] + torch.arange(block, device=device)  # [S, r, B] block positions
+    picked = anchors.pick(batch.learned)  # [S, r]
+    at = picked[..., None] + torch.arange(block, device=device)  # [S, r, B] block positions
     tokens = torch.full_like(at, draft.spec.mask_token_id)
-    tokens[..., 0] = batch.ids.gather(1, anchors)
-    mask = block_mask(anchors, block, length)
+    tokens[..., 0] = batch.ids.gather(1, picked)
+    mask = block_mask(picked, block, length)
     hidden = draft(embed[tokens.flatten()], at.flatten(), context, mask)
     hidden = hidden.view(*at.shape, -1)[:, :, 1:]  # drafts of positions a+1 .. a+B-1
     before = at[..., :-1]  # the position each draft's label follows
     choice = _at(batch.argmax, before)
     in_vocab = torch.zeros(embed.shape[0], dtype=torch.bool, device=device)
     in_vocab[vocab_ids] = True
-    anchor_ok = batch.learned.gather(1, anchors)[..., None]
+    anchor_ok = batch.learned.gather(1, picked)[..., None]
     learned = _at(batch.learned, before) & in_vocab[choice] & anchor_ok  # [S, r, B-1]
     rows = learned.nonzero(as_tuple=True)
     head = target.lm_head.weight[vocab_ids]
     logits = hidden[rows] @ head.T
     weight = torch.exp(-rows[2].float() / DECAY_GAMMA)  # block index k - 1
     per_row = soft_cross_entropy(logits, _at(batch.final, before)[rows], head)
-    loss = (per_row * weight).sum() / weight.sum().clamp(min=1e-6)
     correct = torch.zeros_like(learned)
     correct[rows] = vocab_ids[logits.argmax(-1)] == choice[rows]
+    counted = weight * reached(correct)[rows] if anchors.on_policy else weight
+    loss = (per_row * counted).sum() / weight.sum().clamp(min=1e-6)
     return StepResult(loss, correct.flatten(0, 1), anchor_ok.flatten() & learned[..., 0].flatten())

@@ -13,13 +13,25 @@ Loss (SpecForge's): per step, soft cross-entropy against the target's distributi
 the draft vocabulary, on positions whose target choice is in that vocabulary, weighted
 0.8^k. Held-out acceptance: the mean length of the chain of consecutive correct greedy
 steps, plus one (the bonus token) -- the acceptance length of chain drafting.
+
+On-policy stage (`--on-policy-epochs`, after the main one): training where the head's own
+drafts are rejected. Per batch, a probe without gradients unrolls every entry as a root:
+`correct` [B*M, K] (K = `ttt_steps`) gives each entry's greedy chain length
+c = sum_k prod_{j<=k} correct[:, j], in 0..K. The step's roots are then drawn, without
+replacement, with chance proportional to w = K + 1 - c [B, M] (a chain that breaks at
+once is K + 1 times as likely to be trained as one right all the way), as the r largest
+u^(1/w) for u ~ U(0, 1) (Efraimidis-Spirakis; w = 1 everywhere is the main stage's
+uniform choice). And step k's cross-entropy at a root is multiplied by
+reached[k] = prod_{j<k} correct[j] of the same pass: serving drafts step k only where
+steps 0..k-1 were accepted, so the loss counts what verification sees. The mean stays
+over all the step's learned roots, so a step few chains reach weighs little.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,11 +66,11 @@ def learned_positions(sample: Sample) -> torch.Tensor:
 
 
 def make_batches(
-    samples: list[Sample], views: list[TargetView], tokens: int, seed: int
+    samples: list[Sample], indices: list[int], tokens: int, seed: int
 ) -> list[list[int]]:
-    """Sample indices grouped by length (little padding), about `tokens` tokens each,
-    in a seeded random order."""
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i].ids))
+    """`indices` of `samples` grouped by length (little padding), about `tokens` tokens
+    each, in a seeded random order."""
+    order = sorted(indices, key=lambda i: len(samples[i].ids))
     batches, current = [], []
     for i in order:
         if current and (len(current) + 1) * len(samples[i].ids) > tokens:
@@ -71,16 +83,22 @@ def make_batches(
 
 
 def collate(
-    samples: list[Sample], views: list[TargetView], idx: list[int], device: torch.device
+    samples: list[Sample],
+    views: Sequence[TargetView],
+    idx: list[int],
+    device: torch.device,
 ) -> Batch:
+    """Samples `idx` padded into a batch; `views` may build each view only when asked."""
+    chosen = [views[i] for i in idx]
+
     def pad(items: list[torch.Tensor]) -> torch.Tensor:
         return torch.nn.utils.rnn.pad_sequence(items, batch_first=True).to(device)
 
     return Batch(
         ids=pad([torch.tensor(samples[i].ids) for i in idx]),
-        features=pad([views[i].features for i in idx]).float(),
-        final=pad([views[i].final for i in idx]).float(),
-        argmax=pad([views[i].argmax for i in idx]),
+        features=pad([v.features for v in chosen]).float(),
+        final=pad([v.final for v in chosen]).float(),
+        argmax=pad([v.argmax for v in chosen]),
         learned=pad([learned_positions(samples[i]) for i in idx]),
     )
 
@@ -149,18 +167,38 @@ class StepResult:
     valid: torch.Tensor  # [B*r] the root's first label is learned
 
 
-def pick_roots(
-    valid: torch.Tensor, fraction: float, generator: torch.Generator | None
-) -> torch.Tensor:
-    """[B, r] drafting roots per sample, r = ceil(fraction * M): a random choice among its
-    valid entries (all entries when fraction is 1). Samples short of valid entries get
-    invalid ones, which the loss ignores."""
-    b, m = valid.shape
-    r = max(1, math.ceil(fraction * m))
-    if r >= m:
-        return torch.arange(m, device=valid.device).expand(b, m)
-    noise = torch.rand(b, m, generator=generator, device=valid.device) + valid.float()
-    return noise.topk(r, dim=1).indices.sort(dim=1).values
+@dataclass
+class Roots:
+    """Which entries a loss unrolls as drafting roots (DFLASH: block anchors): a random
+    `fraction` of each sample's valid entries (all of them when 1). On-policy (see the
+    module doc): `preference` [B, M] weighs each entry's chance, and a draft step counts
+    only where the head's own chain reached it."""
+
+    fraction: float = 1.0
+    generator: torch.Generator | None = None
+    preference: torch.Tensor | None = None
+
+    @property
+    def on_policy(self) -> bool:
+        return self.preference is not None
+
+    def pick(self, valid: torch.Tensor) -> torch.Tensor:
+        """[B, r] ascending roots per sample, r = ceil(fraction * M), among its valid entries
+        [B, M]. Samples short of valid entries get invalid ones, which the loss ignores."""
+        b, m = valid.shape
+        r = max(1, math.ceil(self.fraction * m))
+        if r >= m:
+            return torch.arange(m, device=valid.device).expand(b, m)
+        noise = torch.rand(b, m, generator=self.generator, device=valid.device)
+        if self.preference is not None:
+            noise = noise ** (1 / self.preference)
+        return (noise + valid.float()).topk(r, dim=1).indices.sort(dim=1).values
+
+
+def reached(correct: torch.Tensor) -> torch.Tensor:
+    """[..., K] bool: whether verification gets to a chain's step k, its steps 0..k-1 all
+    correct, from `correct` [..., K]."""
+    return F.pad(correct.int(), (1, 0), value=1)[..., :-1].cumprod(-1).bool()
 
 
 def unrolled_loss(
@@ -169,12 +207,11 @@ def unrolled_loss(
     batch: Batch,
     steps: int,
     draft_ids: torch.Tensor | None,
-    root_fraction: float = 1.0,
-    generator: torch.Generator | None = None,
+    roots: Roots,
 ) -> StepResult:
     """`draft_ids`: target id of each draft-vocabulary entry (EAGLE-3), None for EAGLE.
-    The loss and accuracy are over `root_fraction` of each sample's entries as drafting
-    roots; context keys come from every entry."""
+    The loss and accuracy are over the `roots` picked as drafting roots; context keys come
+    from every entry."""
     b, m = batch.ids.shape[0], batch.ids.shape[1] - 1
     embed = target.embed_tokens.weight
     label_head = target.lm_head.weight if draft_ids is None else target.lm_head.weight[draft_ids]
@@ -183,13 +220,13 @@ def unrolled_loss(
         in_vocab.zero_()[draft_ids] = True
     features = head.project(batch.features[:, :m].reshape(b * m, -1))
     context, _ = head.attention_input(embed[batch.ids[:, 1:].reshape(-1)], features)
-    roots = pick_roots(batch.learned[:, 1:], root_fraction, generator)  # [B, r]
-    attention = UnrolledAttention(head, context, roots)
+    picked = roots.pick(batch.learned[:, 1:])  # [B, r]
+    attention = UnrolledAttention(head, context, picked)
 
     def at(x: torch.Tensor, k: int) -> torch.Tensor:
         """x[b, root + k] for every root, flattened (past the end: padding)."""
         padded = F.pad(x, (0, 0) * (x.dim() - 2) + (0, k + 1))
-        index = (roots + k).reshape(b, -1, *([1] * (x.dim() - 2)))
+        index = (picked + k).reshape(b, -1, *([1] * (x.dim() - 2)))
         return padded.gather(1, index.expand(-1, -1, *x.shape[2:])).flatten(0, 1)
 
     hidden = at(features.view(b, m, -1), 0)
@@ -203,8 +240,10 @@ def unrolled_loss(
             continue
         rows = learned.nonzero()[:, 0]
         logits = head.logits(hidden[rows], target).float()
-        step_loss = soft_cross_entropy(logits, at(batch.final, 1 + k)[rows], label_head).mean()
-        loss = loss + STEP_DECAY**k * step_loss
+        per_row = soft_cross_entropy(logits, at(batch.final, 1 + k)[rows], label_head)
+        if roots.on_policy:
+            per_row = per_row * reached(correct[rows])[:, k]
+        loss = loss + STEP_DECAY**k * per_row.mean()
         guess = logits.argmax(-1)
         guess = guess if draft_ids is None else draft_ids[guess]
         correct[rows, k] = guess == choice[rows]

@@ -1,8 +1,11 @@
-"""The target's view of each training sample, computed once by teacher forcing.
+"""The target's view of each training sample: from the layers kept while generating it, or
+by teacher forcing.
 
 For every position p of a sample: the features a head reads at p, the target's final
 normed hidden state at p (its LM head turns it into the label distribution for the
-token after p), and the target's greedy choice for that token.
+token after p), and the target's greedy choice for that token. `TargetViews` builds a
+self-distilled sample's view only when a batch needs it, reading its captured layers
+from disk: 23k answers of EAGLE-3's 4 layers x 576 bf16 per token are ~25 GB.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from tqdm import tqdm
 from shared.kvcache.kv_cache import KVCache
 from shared.model.attention import SequenceSpan
 from shared.model.llama import LlamaForCausalLM
-from shared.training.data import Sample
+from shared.training.data import Capture, CaptureReader, Sample
 
 BLOCK = 16
 
@@ -73,7 +76,7 @@ def extract(
             () if normed else layers,
         )
         features = final if normed else torch.cat(aux, dim=-1)
-        argmax = torch.cat([target.compute_logits(rows).argmax(-1) for rows in final.split(1024)])
+        argmax = greedy_choices(target, final)
         start = 0
         for i in batch:
             end = start + len(samples[i].ids)
@@ -94,17 +97,66 @@ def capture_layers(layers: tuple[int, ...], normed: bool, num_layers: int) -> tu
     return (() if normed else layers) + (num_layers - 1,)
 
 
+def greedy_choices(target: LlamaForCausalLM, final: torch.Tensor) -> torch.Tensor:
+    """[N] the target's argmax after each of its final normed hidden states [N, H]."""
+    return torch.cat([target.compute_logits(rows).argmax(-1) for rows in final.split(1024)])
+
+
 @torch.no_grad()
 def from_capture(
-    target: LlamaForCausalLM, sample: Sample, raw: torch.Tensor, normed: bool, greedy: bool
+    target: LlamaForCausalLM, raw: torch.Tensor, normed: bool, argmax: torch.Tensor | None
 ) -> TargetView:
-    """The view of a self-distilled sample from the layers kept while it was generated.
-    Greedy answers' tokens are the target's argmax; sampled ones' come from the logits."""
+    """The view of a self-distilled sample from the layers kept while it was generated
+    (`raw` [N, layers * H], the last layer's output last). `argmax`: the target's choices
+    if known (a greedy answer's tokens are its own), else from the logits."""
     hidden = target.config.hidden_size
-    final = target.norm(raw[:, -hidden:].float())
-    features = final.to(raw.dtype) if normed else raw[:, :-hidden]
-    if greedy:
-        argmax = torch.tensor([*sample.ids[1:], 0])
-    else:
-        argmax = torch.cat([target.compute_logits(rows).argmax(-1) for rows in final.split(1024)])
-    return TargetView(features, final.to(raw.dtype), argmax)
+    device = target.norm.weight.device
+    final = target.norm(raw[:, -hidden:].to(device).float())
+    features = final.to(raw.dtype).cpu() if normed else raw[:, :-hidden]
+    if argmax is None:
+        argmax = greedy_choices(target, final).cpu()
+    return TargetView(features, final.to(raw.dtype).cpu(), argmax)
+
+
+class TargetViews:
+    """Every sample's TargetView, by index, built when asked: a self-distilled sample's from
+    its capture (read from disk, so memory holds a batch's views, not all), local data's
+    computed up front by teacher forcing. The target's choices are kept for every sample
+    (8 bytes a token; the draft vocabulary counts them), computed once from the logits for
+    answers that were not `greedy`."""
+
+    def __init__(
+        self,
+        target: LlamaForCausalLM,
+        samples: list[Sample],
+        captures: list[Capture | None],
+        greedy: list[bool],
+        layers: tuple[int, ...],
+        normed: bool,
+    ) -> None:
+        self.target, self.captures, self.normed = target, captures, normed
+        self.read = CaptureReader()
+        missing = [i for i, c in enumerate(captures) if c is None]
+        views = extract(target, [samples[i] for i in missing], layers, normed) if missing else []
+        self.computed = dict(zip(missing, views, strict=True))
+        self.argmax = [
+            self._choices(i, sample, g)
+            for i, (sample, g) in enumerate(zip(samples, greedy, strict=True))
+        ]
+
+    def _choices(self, i: int, sample: Sample, greedy: bool) -> torch.Tensor:
+        capture = self.captures[i]
+        if capture is None:
+            return self.computed[i].argmax
+        if greedy:  # a greedy answer's tokens are the target's choices
+            return torch.tensor([*sample.ids[1:], 0])
+        return from_capture(self.target, self.read(capture), self.normed, None).argmax
+
+    def __len__(self) -> int:
+        return len(self.captures)
+
+    def __getitem__(self, i: int) -> TargetView:
+        capture = self.captures[i]
+        if capture is None:
+            return self.computed[i]
+        return from_capture(self.target, self.read(capture), self.normed, self.argmax[i])

@@ -1,9 +1,13 @@
 """`specmesh train-draft`: data, target features, draft vocabulary, training, checkpoint.
 
 Every stage keeps its result under `--out`, so a stopped run resumes: generated answers
-(`data/self_distill.jsonl`), the training state (`train_state.pt`, every `--save-every`
-steps) and the head itself, written in the published layout that
-`--speculative-draft-model-path` loads.
+(`data/self_distill.jsonl`, `data/self_distill-t0.7.jsonl` for `--temperatures 0,0.7`,
+with their captured features), the training state (`train_state.pt`, every
+`--save-every` steps) and the head itself, written in the published layout that
+`--speculative-draft-model-path` loads. Training starts from a fresh drafter or from
+`--init`'s; `--epochs` of the main stage are followed by `--on-policy-epochs` that train
+where the drafter's own drafts are rejected (see `eagle_trainer.py`). Features are read
+from disk per batch, so memory does not grow with the data.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -27,13 +32,28 @@ from shared.model.fetch import resolve_model
 from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import load_model, save_model
 from shared.speculative.config import HOT_TOKENS
-from shared.speculative.dflash import default_target_layers, save_dflash
+from shared.speculative.dflash import (
+    DFlashDraft,
+    default_target_layers,
+    load_dflash,
+    read_dflash_spec,
+    save_dflash,
+)
 from shared.speculative.drafter import target_feature_layers
-from shared.speculative.eagle import EagleHead, HeadSpec, save_head, save_mtp
+from shared.speculative.eagle import (
+    EagleHead,
+    HeadSpec,
+    load_head,
+    read_head_spec,
+    save_head,
+    save_mtp,
+)
+from shared.speculative.standalone import load_token_map
 from shared.tokenizer import Tokenizer
 from shared.training.data import (
+    Capture,
     Sample,
-    read_captured,
+    find_captures,
     read_local,
     read_samples,
     self_distill,
@@ -42,6 +62,7 @@ from shared.training.data import (
 from shared.training.dflash_trainer import block_loss, mask_token_id, new_dflash
 from shared.training.eagle_trainer import (
     Batch,
+    Roots,
     StepResult,
     acceptance_length,
     collate,
@@ -49,7 +70,7 @@ from shared.training.eagle_trainer import (
     make_batches,
     unrolled_loss,
 )
-from shared.training.features import TargetView, capture_layers, extract, from_capture
+from shared.training.features import TargetViews, capture_layers
 from shared.training.prompts import training_prompts
 from shared.training.student_trainer import distill_loss, new_student
 
@@ -77,10 +98,13 @@ class TrainDraftConfig:
         None, "JSON list of evaluation prompts that self-written prompts must stay clear of"
     )
     max_new_tokens: int = option(256, "longest self-distilled answer")
-    temperature: float = option(
-        0.0,
-        "sampling temperature of self-distilled answers (0: greedy); sampled answers loop "
-        "less and cover more of what the target says (SpecForge regenerates with sampling)",
+    temperatures: str = option(
+        "0",
+        "sampling temperatures of self-distilled answers, comma-separated (0: greedy): the "
+        "prompts are answered at each (each temperature its own resumable file under --out) "
+        "and all answers train one drafter; sampled answers loop less and cover more of what "
+        "the target says (SpecForge regenerates with sampling)",
+        aliases=("--temperature",),
     )
     max_len: int = option(1024, "longest training sequence, tokens")
     generate_batch: int = option(96, "sequences generated at once")
@@ -108,13 +132,28 @@ class TrainDraftConfig:
         "STANDALONE: the draft's residual width (default: the target's; narrower keeps the "
         "coordinates where the target's embedding is largest)",
     )
+    init: str | None = option(
+        None,
+        "continue training this drafter (a shipped one, or a run's head/) instead of a fresh "
+        "one: of --algorithm, fitting the target and the shape options; its vocabulary "
+        "(EAGLE-3's d2t, the others' hot_tokens.json) is kept",
+    )
     epochs: float = option(2.0, "passes over the training data")
+    on_policy_epochs: float = option(
+        0.0,
+        "passes after --epochs that train where the drafter's own drafts are rejected "
+        "(roots drawn where its greedy chain breaks early, draft steps counted where its "
+        "chain reaches them), at a tenth of --lr; not STANDALONE",
+    )
     lr: float = option(5e-4, "peak learning rate (AdamW, warm-up then cosine)")
     batch_tokens: int = option(4096, "tokens per optimizer step")
     heldout: float = option(0.03, "fraction of samples kept apart to measure acceptance")
     eval_every: int = option(200, "optimizer steps between held-out evaluations")
     save_every: int = option(100, "optimizer steps between resumable checkpoints")
     minutes: float | None = option(None, "stop training after this many minutes")
+    data_only: bool = option(
+        False, "stop once the data is generated (train later with the same --out)"
+    )
     seed: int = option(0, "seed for prompt order, the held-out split, init and batches")
     device: str | None = option(None, "cpu or cuda (default: cuda when available)")
 
@@ -139,13 +178,30 @@ class TrainDraftConfig:
             raise ValueError("--ttt-steps must be >= 1, --epochs > 0, --heldout in (0, 1)")
         if not 0 < self.root_fraction <= 1:
             raise ValueError("--root-fraction must be in (0, 1]")
-        if self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        temperatures = self.temperature_list
+        if min(temperatures) < 0 or len(set(temperatures)) < len(temperatures):
+            raise ValueError(f"--temperatures must be distinct and >= 0, got {self.temperatures}")
+        if self.on_policy_epochs < 0:
+            raise ValueError(f"--on-policy-epochs must be >= 0, got {self.on_policy_epochs}")
+        if self.on_policy_epochs and self.algorithm == "STANDALONE":
+            raise ValueError(
+                "--on-policy-epochs: STANDALONE learns at every position, it has no drafting "
+                "roots to choose"
+            )
         return self
 
     @property
     def data_files(self) -> list[Path]:
         return [Path(p) for p in (self.data or "").split(",") if p]
+
+    @property
+    def temperature_list(self) -> list[float]:
+        try:
+            return [float(t) for t in str(self.temperatures).split(",")]
+        except ValueError:
+            raise ValueError(
+                f"--temperatures must be comma-separated numbers, got {self.temperatures!r}"
+            ) from None
 
 
 def read_prompt_list(path: Path) -> list[str]:
@@ -158,38 +214,93 @@ def read_prompt_list(path: Path) -> list[str]:
     return prompts
 
 
-def gather_samples(
+def answers_file(out: Path, temperature: float) -> Path:
+    """Where self-distilled answers of `temperature` accumulate; answers of another
+    temperature are other data, each with its own file to resume."""
+    suffix = f"-t{temperature:g}" if temperature else ""
+    return out / "data" / f"self_distill{suffix}.jsonl"
+
+
+def generate_answers(
     cfg: TrainDraftConfig, target_dir: Path, tokenizer: Tokenizer, layers: tuple[int, ...]
-) -> tuple[list[Sample], list[torch.Tensor | None]]:
-    """Self-distilled answers (generated now, or resumed) plus local data, and per sample
-    the target layers kept while it was generated (None: to be computed)."""
-    local = [s for f in cfg.data_files for s in read_local(f, tokenizer, cfg.max_len)]
+) -> int:
+    """Self-written prompts and the target's answers to them and to the built-in ones, at
+    each temperature, generated now or resumed; returns how many prompts the run uses."""
     data = Path(cfg.out) / "data"
     data.mkdir(parents=True, exist_ok=True)
-    # Answers of another temperature are other data: each has its own file to resume.
-    suffix = f"-t{cfg.temperature:g}" if cfg.temperature else ""
-    work = data / f"self_distill{suffix}.jsonl"
-    written = data / "self_prompts.json"
-    builtin = training_prompts(cfg.seed)[: cfg.num_prompts]
-    engine: LLMEngine | None = None
-    if cfg.self_prompts and not written.exists():
-        engine = _generator(cfg, target_dir)
+    prompts = training_prompts(cfg.seed)[: cfg.num_prompts]
+    if cfg.self_prompts:
         exclude = read_prompt_list(Path(cfg.exclude)) if cfg.exclude else []
-        prompts = self_written_prompts(engine, tokenizer, cfg.self_prompts, exclude, cfg.seed)
-        written.write_text(json.dumps(prompts, indent=0) + "\n")
-    own = json.loads(written.read_text())[: cfg.self_prompts] if cfg.self_prompts else []
-    prompts = builtin + own
-    if prompts and len(read_samples(work)) < len(prompts):
-        # a fresh engine: self_distill reads prompt rows from its prefix cache
+        written = data / "self_prompts.jsonl"
         engine = _generator(cfg, target_dir)
-        self_distill(
-            engine, tokenizer, prompts, work, cfg.max_new_tokens, layers, cfg.temperature, cfg.seed
+        prompts += self_written_prompts(
+            engine, tokenizer, cfg.self_prompts, exclude, written, cfg.seed
         )
-    del engine
-    distilled = read_samples(work)[: len(prompts)]
-    captured = read_captured(work, layers, len(distilled)) + [None] * len(local)
-    keep = [i for i, s in enumerate(distilled + local) if len(s.ids) >= 2 and s.spans]
-    return [(distilled + local)[i] for i in keep], [captured[i] for i in keep]
+        del engine  # its KV cache goes before the next engine's comes
+    for temperature in cfg.temperature_list:
+        work = answers_file(Path(cfg.out), temperature)
+        if prompts and len(read_samples(work)) < len(prompts):
+            # a fresh engine: self_distill reads prompt rows from its prefix cache
+            engine = _generator(cfg, target_dir)
+            self_distill(
+                engine, tokenizer, prompts, work, cfg.max_new_tokens, layers, temperature, cfg.seed
+            )
+            del engine
+    return len(prompts)
+
+
+@dataclass
+class Corpus:
+    """The training samples and, per sample, where generation kept its target layers (None:
+    to be computed), whether it is a greedy answer, and which prompt it answers (local
+    data: a prompt of its own)."""
+
+    samples: list[Sample]
+    captures: list[Capture | None]
+    greedy: list[bool]
+    prompts: list[int]
+
+
+def gather_samples(
+    cfg: TrainDraftConfig, tokenizer: Tokenizer, layers: tuple[int, ...], count: int
+) -> Corpus:
+    """The answers to the first `count` prompts at each temperature, plus local data."""
+    samples: list[Sample] = []
+    captures: list[Capture | None] = []
+    greedy: list[bool] = []
+    prompts: list[int] = []
+    for temperature in cfg.temperature_list:
+        work = answers_file(Path(cfg.out), temperature)
+        distilled = read_samples(work)[:count]
+        samples += distilled
+        captures += find_captures(work, layers, len(distilled))
+        greedy += [temperature == 0] * len(distilled)
+        prompts += range(len(distilled))
+    local = [s for f in cfg.data_files for s in read_local(f, tokenizer, cfg.max_len)]
+    samples += local
+    captures += [None] * len(local)
+    greedy += [True] * len(local)
+    prompts += range(count, count + len(local))
+    keep = [i for i, s in enumerate(samples) if len(s.ids) >= 2 and s.spans]
+    columns = (samples, captures, greedy, prompts)
+    return Corpus(*([column[i] for i in keep] for column in columns))
+
+
+def split_heldout(prompts: list[int], heldout: float, seed: int) -> tuple[list[int], list[int]]:
+    """(held-out, training) sample indices: a seeded random `heldout` fraction of the
+    prompts is held out with all its answers (greedy and sampled answers to one prompt are
+    near each other, and would leak)."""
+    answers: dict[int, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        answers.setdefault(prompt, []).append(i)
+    groups = list(answers.values())
+    if len(groups) < 2:
+        raise ValueError("not enough training data: give --num-prompts > 1 or --data")
+    order = list(range(len(groups)))
+    random.Random(seed).shuffle(order)
+    n_held = max(1, int(len(groups) * heldout))
+    held, train = order[:n_held], order[n_held:]
+    return [i for g in held for i in groups[g]], [i for g in train for i in groups[g]]
 
 
 def _generator(cfg: TrainDraftConfig, target_dir: Path) -> LLMEngine:
@@ -204,46 +315,117 @@ def _generator(cfg: TrainDraftConfig, target_dir: Path) -> LLMEngine:
     )
 
 
-def target_views(
-    target: LlamaForCausalLM,
-    samples: list[Sample],
-    captured: list[torch.Tensor | None],
-    layers: tuple[int, ...],
-    normed: bool,
-    greedy: bool,
-) -> list[TargetView]:
-    """Views from what generation kept (`greedy`: its answers were greedy); a
-    teacher-forced pass for the rest."""
-    missing = [i for i, c in enumerate(captured) if c is None]
-    computed = dict(
-        zip(
-            missing,
-            extract(target, [samples[i] for i in missing], layers, normed) if missing else [],
-            strict=True,
-        )
-    )
-    return [
-        computed[i] if c is None else from_capture(target, samples[i], c, normed, greedy)
-        for i, (s, c) in enumerate(zip(samples, captured, strict=True))
-    ]
-
-
 def draft_vocab(
-    samples: list[Sample], views: list[TargetView], size: int, vocab: int
+    samples: list[Sample], choices: list[torch.Tensor], size: int, vocab: int
 ) -> torch.Tensor:
-    """The `size` target ids most often chosen at learned positions, ascending (SpecForge's
-    rule; padded with the lowest unused ids when fewer occur)."""
+    """The `size` target ids most often chosen (`choices`: the target's per position) at
+    learned positions, ascending (SpecForge's rule; padded with the lowest unused ids when
+    fewer occur)."""
     counts = torch.zeros(vocab, dtype=torch.long)
-    for sample, view in zip(samples, views, strict=True):
+    for sample, chosen in zip(samples, choices, strict=True):
         for start, end in sample.spans:
-            counts += torch.bincount(view.argmax[max(start - 1, 0) : end - 1], minlength=vocab)
+            counts += torch.bincount(chosen[max(start - 1, 0) : end - 1], minlength=vocab)
     top = counts.topk(min(size, vocab)).indices
     return top.sort().values
 
 
+def drafter_algorithm(path: Path) -> str:
+    """The algorithm of the drafter saved at `path`, as its config.json says."""
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--init {path}: no config.json (give a drafter's directory)")
+    raw = json.loads((path / "config.json").read_text())
+    architectures = raw.get("architectures") or []
+    for architecture, algorithm in (
+        ("DFlashDraftModel", "DFLASH"),
+        ("LlamaForCausalLMEagle3", "EAGLE3"),
+        ("LlamaForCausalLMEagle", "EAGLE"),
+    ):
+        if architecture in architectures:
+            return algorithm
+    return "NEXTN" if raw.get("num_nextn_predict_layers") else "STANDALONE"
+
+
+def check_init(
+    cfg: TrainDraftConfig, target: ModelConfig, layers: tuple[int, ...], normed: bool
+) -> None:
+    """Refuse an --init drafter of another algorithm, or one that does not fit the target,
+    the features the data keeps or the shape options, before anything is generated."""
+    path = Path(cfg.init)
+    found = drafter_algorithm(path)
+    if found != cfg.algorithm:
+        raise ValueError(f"--init {path} is a {found} drafter; --algorithm is {cfg.algorithm}")
+    if cfg.algorithm == "DFLASH":
+        spec = read_dflash_spec(path, target)
+        if (spec.target_layers, spec.block_size) != (layers, cfg.block_size):
+            raise ValueError(
+                f"--init {path} reads target layers {list(spec.target_layers)} in blocks of "
+                f"{spec.block_size}; --draft-layers {cfg.draft_layers} --block-size "
+                f"{cfg.block_size} read {list(layers)} in blocks of {cfg.block_size}"
+            )
+    elif cfg.algorithm == "STANDALONE":
+        shape = ModelConfig.from_file(path / "config.json")
+        width = cfg.draft_hidden_size or target.hidden_size
+        if shape.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"--init {path} has vocab size {shape.vocab_size}; the target's is "
+                f"{target.vocab_size}"
+            )
+        if (shape.num_layers, shape.hidden_size) != (cfg.draft_layers, width):
+            raise ValueError(
+                f"--init {path} has {shape.num_layers} layers of width {shape.hidden_size}; "
+                f"give --draft-layers {shape.num_layers} --draft-hidden-size {shape.hidden_size}"
+            )
+    else:
+        spec = read_head_spec(path, cfg.algorithm, target)
+        if spec.target_features != (layers, normed):
+            raise ValueError(
+                f"--init {path} reads target layers {list(spec.target_features[0])}; the "
+                f"training data keeps {list(layers)}"
+            )
+        if cfg.algorithm == "EAGLE3" and spec.draft_vocab != cfg.draft_vocab_size:
+            raise ValueError(
+                f"--init {path} has a draft vocabulary of {spec.draft_vocab}; give "
+                f"--draft-vocab-size {spec.draft_vocab}"
+            )
+    hot = path / HOT_TOKENS
+    if hot.is_file() and len(ids := json.loads(hot.read_text())) != cfg.draft_vocab_size:
+        raise ValueError(
+            f"--init {path} has a token map of {len(ids)} ids; give --draft-vocab-size {len(ids)}"
+        )
+
+
+def load_init(cfg: TrainDraftConfig, target: LlamaForCausalLM) -> torch.nn.Module:
+    """The --init drafter (checked by `check_init`), in float32 on the target's device."""
+    path = Path(cfg.init)
+    device = target.embed_tokens.weight.device
+    if cfg.algorithm == "DFLASH":
+        return load_dflash(path, target.config).to(device)
+    if cfg.algorithm == "STANDALONE":
+        return load_model(path, device, torch.float32)
+    head, _, embed = load_head(path, cfg.algorithm, target)
+    if embed is not None:
+        raise ValueError(
+            f"--init {path} brings its own embedding; heads trained here read the target's"
+        )
+    return head.to(device)
+
+
+def kept_vocab(
+    cfg: TrainDraftConfig, init: torch.nn.Module | None, vocab: int
+) -> torch.Tensor | None:
+    """The --init drafter's vocabulary, which training keeps: EAGLE-3's draft ids, the
+    others' token map (None: no --init, or one without a token map)."""
+    if init is None:
+        return None
+    if isinstance(init, EagleHead) and init.eagle3:
+        return (init.d2t + torch.arange(len(init.d2t), device=init.d2t.device)).cpu()
+    hot = Path(cfg.init) / HOT_TOKENS
+    return load_token_map(str(hot), vocab) if hot.is_file() else None
+
+
 def new_head(
     target: LlamaForCausalLM, algorithm: str, draft_ids: torch.Tensor | None, seed: int
-) -> tuple[EagleHead, ModelConfig]:
+) -> EagleHead:
     """A head shaped like one target layer (NEXTN: exactly one, biases included). It starts
     near the target's own prediction: `fc` passes the last feature it reads through, and
     the output norm (and EAGLE-3's LM head, restricted to the draft vocabulary) are the
@@ -271,17 +453,17 @@ def new_head(
             head.norm.weight.copy_(target.norm.weight)
         if eagle3:
             head.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
-            head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
-    return head, cfg
+            head.d2t.copy_(draft_ids - torch.arange(len(draft_ids), device=draft_ids.device))
+    return head
 
 
 @dataclass
 class Trainee:
-    """What the training loop needs of a drafter: its module, its loss over a batch (with
-    the fraction of positions used as drafting roots or anchors), and how it is saved."""
+    """What the training loop needs of a drafter: its module, its loss over a batch from the
+    roots (DFLASH: anchors) it picks, and how it is saved."""
 
     module: torch.nn.Module
-    loss: Callable[[Batch, float, torch.Generator | None], StepResult]
+    loss: Callable[[Batch, Roots], StepResult]
     save: Callable[[Path], None]
 
 
@@ -291,15 +473,16 @@ def eagle_trainee(
     frequent: torch.Tensor,
     features: tuple[tuple[int, ...], bool],
     target_dir: Path,
+    init: EagleHead | None,
 ) -> Trainee:
     """An EAGLE/EAGLE-3 head or NEXTN layer, trained unrolled over `ttt_steps` draft steps."""
     eagle3 = cfg.algorithm == "EAGLE3"
     draft_ids = frequent.to(target.lm_head.weight.device) if eagle3 else None
-    head, hcfg = new_head(target, cfg.algorithm, draft_ids, cfg.seed)
-    spec = HeadSpec(hcfg, len(frequent) if eagle3 else hcfg.vocab_size, features)
+    head = init if init is not None else new_head(target, cfg.algorithm, draft_ids, cfg.seed)
+    spec = HeadSpec(head.config, len(frequent) if eagle3 else head.config.vocab_size, features)
 
-    def loss(batch: Batch, fraction: float, generator: torch.Generator | None) -> StepResult:
-        return unrolled_loss(head, target, batch, cfg.ttt_steps, draft_ids, fraction, generator)
+    def loss(batch: Batch, roots: Roots) -> StepResult:
+        return unrolled_loss(head, target, batch, cfg.ttt_steps, draft_ids, roots)
 
     def save(path: Path) -> None:
         if head.mtp:
@@ -311,28 +494,38 @@ def eagle_trainee(
 
 
 def dflash_trainee(
-    cfg: TrainDraftConfig, target: LlamaForCausalLM, frequent: torch.Tensor, tokenizer: Tokenizer
+    cfg: TrainDraftConfig,
+    target: LlamaForCausalLM,
+    frequent: torch.Tensor,
+    tokenizer: Tokenizer,
+    init: DFlashDraft | None,
 ) -> Trainee:
     """A DFLASH block draft, scoring the frequent ids (its token map) in training."""
-    mask = mask_token_id(tokenizer, target.config.vocab_size)
-    draft = new_dflash(target, cfg.draft_layers, cfg.block_size, mask, cfg.seed)
+    draft = init
+    if draft is None:
+        mask = mask_token_id(tokenizer, target.config.vocab_size)
+        draft = new_dflash(target, cfg.draft_layers, cfg.block_size, mask, cfg.seed)
     vocab_ids = frequent.to(target.lm_head.weight.device)
 
-    def loss(batch: Batch, fraction: float, generator: torch.Generator | None) -> StepResult:
-        return block_loss(draft, target, batch, vocab_ids, fraction, generator)
+    def loss(batch: Batch, anchors: Roots) -> StepResult:
+        return block_loss(draft, target, batch, vocab_ids, anchors)
 
     return Trainee(draft, loss, lambda path: save_dflash(draft.cpu().eval(), path, target.config))
 
 
 def student_trainee(
-    cfg: TrainDraftConfig, target: LlamaForCausalLM, frequent: torch.Tensor, target_dir: Path
+    cfg: TrainDraftConfig,
+    target: LlamaForCausalLM,
+    frequent: torch.Tensor,
+    target_dir: Path,
+    init: LlamaForCausalLM | None,
 ) -> Trainee:
     """A STANDALONE draft LM, distilled at every position over the frequent ids."""
     width = cfg.draft_hidden_size or target.config.hidden_size
-    student = new_student(target, width, cfg.draft_layers)
+    student = init if init is not None else new_student(target, width, cfg.draft_layers)
     vocab_ids = frequent.to(target.lm_head.weight.device)
 
-    def loss(batch: Batch, fraction: float, generator: torch.Generator | None) -> StepResult:
+    def loss(batch: Batch, roots: Roots) -> StepResult:
         return distill_loss(student, target, batch, vocab_ids, cfg.ttt_steps)
 
     def save(path: Path) -> None:
@@ -345,7 +538,7 @@ def student_trainee(
 def evaluate(
     trainee: Trainee,
     samples: list[Sample],
-    views: list[TargetView],
+    views: TargetViews,
     batches: list[list[int]],
     device: torch.device,
 ) -> tuple[float, float]:
@@ -353,7 +546,7 @@ def evaluate(
     trainee.module.eval()
     losses, corrects, valids = [], [], []
     for idx in batches:
-        r = trainee.loss(collate(samples, views, idx, device), 1.0, None)
+        r = trainee.loss(collate(samples, views, idx, device), Roots())
         losses.append(r.loss.item())
         corrects.append(r.correct)
         valids.append(r.valid)
@@ -361,6 +554,16 @@ def evaluate(
     return sum(losses) / max(1, len(losses)), acceptance_length(
         torch.cat(corrects), torch.cat(valids)
     )
+
+
+@torch.no_grad()
+def chain_preference(trainee: Trainee, batch: Batch) -> torch.Tensor:
+    """[B, M] the on-policy stage's preference for each entry as a root (DFLASH: anchor):
+    K + 1 - the length of the drafter's greedy chain from it, K its steps (see
+    `eagle_trainer.py`)."""
+    probe = trainee.loss(batch, Roots())
+    chain = probe.correct.int().cumprod(dim=1).sum(dim=1)
+    return (probe.correct.shape[1] + 1 - chain).float().view(len(batch.ids), -1)
 
 
 def feature_layers(cfg: TrainDraftConfig, num_layers: int) -> tuple[tuple[int, ...], bool]:
@@ -378,44 +581,46 @@ def train_draft(cfg: TrainDraftConfig) -> Path:
     device = resolve_device(cfg.device)
     target_dir = resolve_model(cfg.target)
     tokenizer = Tokenizer(target_dir)
-    num_layers = ModelConfig.from_file(target_dir / "config.json").num_layers
+    target_config = ModelConfig.from_file(target_dir / "config.json")
+    num_layers = target_config.num_layers
     layers, normed = feature_layers(cfg, num_layers)
-    samples, captured = gather_samples(
-        cfg, target_dir, tokenizer, capture_layers(layers, normed, num_layers)
-    )
-    if len(samples) < 2:
-        raise ValueError("not enough training data: give --num-prompts > 1 or --data")
+    if cfg.init:
+        check_init(cfg, target_config, layers, normed)
+    capture = capture_layers(layers, normed, num_layers)
+    count = generate_answers(cfg, target_dir, tokenizer, capture)
+    if cfg.data_only:
+        return out / "data"
+    corpus = gather_samples(cfg, tokenizer, capture, count)
+    samples = corpus.samples
+    held, train = split_heldout(corpus.prompts, cfg.heldout, cfg.seed)
     target = load_model(target_dir, device, torch.float32).requires_grad_(False)
-    views = target_views(target, samples, captured, layers, normed, cfg.temperature == 0)
-    order = list(range(len(samples)))
-    random.Random(cfg.seed).shuffle(order)
-    n_held = max(1, int(len(samples) * cfg.heldout))
-    held, train = order[:n_held], order[n_held:]
+    views = TargetViews(target, samples, corpus.captures, corpus.greedy, layers, normed)
+    init = load_init(cfg, target) if cfg.init else None
     # EAGLE-3's draft vocabulary; for the others the token map written beside the drafter.
-    frequent = draft_vocab(
-        [samples[i] for i in train],
-        [views[i] for i in train],
-        cfg.draft_vocab_size,
-        target.config.vocab_size,
-    )
+    frequent = kept_vocab(cfg, init, target.config.vocab_size)
+    if frequent is None:
+        frequent = draft_vocab(
+            [samples[i] for i in train],
+            [views.argmax[i] for i in train],
+            cfg.draft_vocab_size,
+            target.config.vocab_size,
+        )
     if cfg.algorithm == "DFLASH":
-        trainee = dflash_trainee(cfg, target, frequent, tokenizer)
+        trainee = dflash_trainee(cfg, target, frequent, tokenizer, init)
     elif cfg.algorithm == "STANDALONE":
-        trainee = student_trainee(cfg, target, frequent, target_dir)
+        trainee = student_trainee(cfg, target, frequent, target_dir, init)
     else:
-        trainee = eagle_trainee(cfg, target, frequent, (layers, normed), target_dir)
+        trainee = eagle_trainee(cfg, target, frequent, (layers, normed), target_dir, init)
     module = trainee.module.to(device).train()
 
-    train_batches = lambda epoch: make_batches(  # noqa: E731
-        [samples[i] for i in train], [views[i] for i in train], cfg.batch_tokens, cfg.seed + epoch
-    )
-    held_batches = make_batches(
-        [samples[i] for i in held], [views[i] for i in held], cfg.batch_tokens, cfg.seed
-    )
-    held_s, held_v = [samples[i] for i in held], [views[i] for i in held]
-    train_s, train_v = [samples[i] for i in train], [views[i] for i in train]
+    @lru_cache(maxsize=1)
+    def train_batches(epoch: int) -> list[list[int]]:
+        return make_batches(samples, train, cfg.batch_tokens, cfg.seed + epoch)
+
+    held_batches = make_batches(samples, held, cfg.batch_tokens, cfg.seed)
     per_epoch = len(train_batches(0))
-    total = max(1, int(per_epoch * cfg.epochs))
+    main = max(1, int(per_epoch * cfg.epochs))  # then the on-policy stage's steps
+    total = main + int(per_epoch * cfg.on_policy_epochs)
     opt = torch.optim.AdamW(module.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     state_path = out / "train_state.pt"
     step, history = 0, []
@@ -442,7 +647,7 @@ def train_draft(cfg: TrainDraftConfig) -> Path:
             state_path,
         )
 
-    held_loss, held_acc = evaluate(trainee, held_s, held_v, held_batches, device)
+    held_loss, held_acc = evaluate(trainee, samples, views, held_batches, device)
     if not history:
         history.append({"step": 0, "heldout_loss": held_loss, "heldout_acceptance": held_acc})
     log.info("held-out at step %d: loss %.3f, acceptance length %.3f", step, held_loss, held_acc)
@@ -451,10 +656,15 @@ def train_draft(cfg: TrainDraftConfig) -> Path:
     bar = tqdm(total=total, initial=step, desc=f"train {cfg.algorithm}", unit="step")
     while step < total:
         epoch, within = divmod(step, per_epoch)
-        idx = train_batches(epoch)[within]
+        # past the main stage, the learning rate stays at its end: a tenth of the peak
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, total, cfg.lr)
-        result = trainee.loss(collate(train_s, train_v, idx, device), cfg.root_fraction, generator)
+            group["lr"] = lr_at(step, main, cfg.lr)
+        batch = collate(samples, views, train_batches(epoch)[within], device)
+        roots = Roots(cfg.root_fraction, generator)
+        if step >= main:
+            roots.preference = chain_preference(trainee, batch)
+            bar.set_description(f"on-policy {cfg.algorithm}")
+        result = trainee.loss(batch, roots)
         opt.zero_grad(set_to_none=True)
         result.loss.backward()
         torch.nn.utils.clip_grad_norm_(module.parameters(), 0.5)
@@ -463,8 +673,8 @@ def train_draft(cfg: TrainDraftConfig) -> Path:
         bar.update(1)
         bar.set_postfix(loss=f"{result.loss.item():.3f}", heldout_acc=f"{held_acc:.2f}")
         timed_out = cfg.minutes is not None and time.monotonic() - started > cfg.minutes * 60
-        if step % cfg.eval_every == 0 or step == total or timed_out:
-            held_loss, held_acc = evaluate(trainee, held_s, held_v, held_batches, device)
+        if step % cfg.eval_every == 0 or step in (main, total) or timed_out:
+            held_loss, held_acc = evaluate(trainee, samples, views, held_batches, device)
             history.append(
                 {"step": step, "heldout_loss": held_loss, "heldout_acceptance": held_acc}
             )
@@ -485,9 +695,10 @@ def train_draft(cfg: TrainDraftConfig) -> Path:
         "algorithm": cfg.algorithm,
         "options": asdict(cfg),
         "samples": len(samples),
-        "train_tokens": sum(len(s.ids) for s in train_s),
+        "train_tokens": sum(len(samples[i].ids) for i in train),
         "steps": step,
         "total_steps": total,
+        "on_policy_from_step": main,
         "history": history,
         "heldout_acceptance": history[-1]["heldout_acceptance"],
     }

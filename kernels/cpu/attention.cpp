@@ -1,0 +1,164 @@
+// Flash attention on CPU (Dao et al. 2022): a job takes one KV head and a block of query
+// positions, with every query head of that KV group as rows of one tile (grouped-query
+// attention reads each K/V tile once per group). It walks the context a tile of keys at
+// a time, keeping per row the running max m, the running sum l of exp(s - m) and the
+// unnormalised output o:
+//   s = q k^T / sqrt(dim)         [rows, keys]
+//   m' = max(m, max_j s_j);  p = exp(s - m');  l = l e^(m - m') + sum_j p_j
+//   o = o e^(m - m') + p v        [rows, dim]
+// and writes o / l. No [rows, context] scores exist at once, and tiles past a row's
+// position (causality) are never computed. Both products run through matmul.cpp's tiles,
+// with K and V packed into its 16-column block layout as they are read from the cache.
+#include "attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <memory>
+#include <vector>
+
+#include "matmul.h"
+#include "pool.h"
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t QUERY_POSITIONS = 32;  // per job; rows are that times the group size
+constexpr int64_t KEYS = 256;            // per tile
+constexpr int64_t COLS = 16;             // matmul.cpp's block width
+
+int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+// Packed K and V are read by aligned loads, as matmul.cpp's weights are.
+struct Aligned {
+  std::unique_ptr<float, decltype(&std::free)> data;
+  explicit Aligned(int64_t n)
+      : data(static_cast<float*>(std::aligned_alloc(64, round_up(n * int64_t{sizeof(float)}, 64))),
+             &std::free) {}
+  float* get() const { return data.get(); }
+};
+
+// One job's buffers, reused from tile to tile.
+struct Scratch {
+  std::vector<float> q, s, o, m, l;
+  Scratch(int64_t rows, int64_t dim)
+      : q(rows * dim), s(rows * KEYS), o(rows * dim), m(rows), l(rows) {}
+};
+
+// Every tile of keys of one KV head, packed once for all query blocks: K as blocks of 16
+// keys [KEYS / 16, dim, 16] and V as blocks of 16 dims [ceil(dim / 16), KEYS, 16], zero
+// past the last key: the layouts matmul_rows multiplies by.
+struct PackedKV {
+  int64_t tile_floats;
+  Aligned k, v;
+
+  PackedKV(const float* kc, const float* vc, const int64_t* ctx, int64_t keys, int64_t kv_heads,
+           int64_t dim)
+      : tile_floats(KEYS * round_up(dim, COLS)),
+        k(kv_heads * tiles(keys) * tile_floats),
+        v(kv_heads * tiles(keys) * tile_floats) {
+    const int64_t n = tiles(keys), stride = kv_heads * dim;
+    parallel_jobs(kv_heads * n, [&](int64_t begin, int64_t end) {
+      for (int64_t job = begin; job < end; ++job) {
+        float *kt = k.get() + job * tile_floats, *vt = v.get() + job * tile_floats;
+        std::fill(kt, kt + tile_floats, 0.f);
+        std::fill(vt, vt + tile_floats, 0.f);
+        const int64_t head = job / n, first = (job % n) * KEYS;
+        for (int64_t c = 0; c < std::min(KEYS, keys - first); ++c) {
+          const float* kr = kc + ctx[first + c] * stride + head * dim;
+          const float* vr = vc + ctx[first + c] * stride + head * dim;
+          float* kb = kt + (c / COLS) * dim * COLS + c % COLS;
+          for (int64_t d = 0; d < dim; ++d) kb[d * COLS] = kr[d];
+          for (int64_t d = 0; d < dim; d += COLS)
+            std::copy(vr + d, vr + std::min(d + COLS, dim), vt + d * KEYS + c * COLS);
+        }
+      }
+    });
+  }
+
+  static int64_t tiles(int64_t keys) { return (keys + KEYS - 1) / KEYS; }
+};
+
+// Scores of one row -> probabilities for its first `seen` keys (0 past them), folding
+// the tile into the row's running max and sum; returns the factor its output must be
+// rescaled by.
+float softmax_row(float* s, int64_t seen, float& m, float& l) {
+  if (seen <= 0) {
+    std::fill(s, s + KEYS, 0.f);
+    return 1.f;
+  }
+  std::fill(s + seen, s + KEYS, -INFINITY);
+  __m256 top = _mm256_set1_ps(m);
+  for (int64_t c = 0; c < KEYS; c += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + c));
+  const float row_max = hmax(top);
+  const __m256 shift = _mm256_set1_ps(row_max);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t c = 0; c < KEYS; c += 8) {
+    const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + c), shift));
+    _mm256_storeu_ps(s + c, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  float total = hsum(sum);
+  for (int64_t c = seen; c < KEYS; ++c) total -= s[c];  // keys it may not see
+  std::fill(s + seen, s + KEYS, 0.f);
+  const float alpha = std::exp(m - row_max);
+  l = l * alpha + total;
+  m = row_max;
+  return alpha;
+}
+
+void scale_row(float* o, int64_t dim, float alpha) {
+  const __m256 a = _mm256_set1_ps(alpha);
+  int64_t d = 0;
+  for (; d + 8 <= dim; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(a, _mm256_loadu_ps(o + d)));
+  for (; d < dim; ++d) o[d] *= alpha;
+}
+
+}  // namespace
+
+void causal_attention(const float* q, int64_t ld, const float* k_cache, const float* v_cache,
+                      const int64_t* ctx, int64_t num_cached, int64_t num_new, int64_t heads,
+                      int64_t kv_heads, int64_t dim, float* out) {
+  const int64_t group = heads / kv_heads, keys = num_cached + num_new;
+  const int64_t blocks = (num_new + QUERY_POSITIONS - 1) / QUERY_POSITIONS;
+  const float scale = 1.f / std::sqrt(static_cast<float>(dim));
+  const PackedKV kv_tiles(k_cache, v_cache, ctx, keys, kv_heads, dim);
+  // The last query blocks see the most keys: they come first, so that the pool's
+  // shrinking claims end the region evenly.
+  parallel_jobs(kv_heads * blocks, [&](int64_t begin, int64_t end) {
+    Scratch w(QUERY_POSITIONS * group, dim);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t kv = job % kv_heads, first = (blocks - 1 - job / kv_heads) * QUERY_POSITIONS;
+      const int64_t n = std::min(QUERY_POSITIONS, num_new - first), rows = n * group;
+      // row i * group + h: query head kv * group + h of new row first + i, pre-scaled
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t h = 0; h < group; ++h) {
+          const float* src = q + (first + i) * ld + (kv * group + h) * dim;
+          float* dst = w.q.data() + (i * group + h) * dim;
+          for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * scale;
+        }
+      std::fill(w.o.begin(), w.o.begin() + rows * dim, 0.f);
+      std::fill(w.m.begin(), w.m.begin() + rows, -INFINITY);
+      std::fill(w.l.begin(), w.l.begin() + rows, 0.f);
+      const int64_t visible = num_cached + first + n;  // the block's last row sees these
+      for (int64_t t = 0; t * KEYS < visible; ++t) {
+        const int64_t tile = (kv * PackedKV::tiles(keys) + t) * kv_tiles.tile_floats;
+        matmul_rows(w.q.data(), rows, dim, kv_tiles.k.get() + tile, KEYS, w.s.data(), KEYS,
+                    false);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t seen = std::min(KEYS, num_cached + first + r / group + 1 - t * KEYS);
+          const float alpha = softmax_row(w.s.data() + r * KEYS, seen, w.m[r], w.l[r]);
+          if (alpha != 1.f) scale_row(w.o.data() + r * dim, dim, alpha);
+        }
+        matmul_rows(w.s.data(), rows, KEYS, kv_tiles.v.get() + tile, dim, w.o.data(), dim, true);
+      }
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t h = 0; h < group; ++h) {
+          const int64_t r = i * group + h;
+          const float* src = w.o.data() + r * dim;
+          float* dst = out + (first + i) * heads * dim + (kv * group + h) * dim;
+          for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] / w.l[r];
+        }
+    }
+  });
+}
