@@ -29,14 +29,26 @@ constexpr int64_t COLS = 16;             // matmul.cpp's block width
 
 int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
-// Packed K and V are read by aligned loads, as matmul.cpp's weights are.
-struct Aligned {
-  std::unique_ptr<float, decltype(&std::free)> data;
-  explicit Aligned(int64_t n)
-      : data(static_cast<float*>(std::aligned_alloc(64, round_up(n * int64_t{sizeof(float)}, 64))),
-             &std::free) {}
-  float* get() const { return data.get(); }
+// Packed K and V are read by aligned loads, as matmul.cpp's weights are. The buffer
+// outlives the call: every layer of a step reuses it, instead of pages the OS would
+// zero on each call.
+class Buffer {
+ public:
+  float* reserve(int64_t floats) {
+    if (floats > size_) {
+      data_.reset(static_cast<float*>(
+          std::aligned_alloc(64, round_up(floats * int64_t{sizeof(float)}, 64))));
+      size_ = floats;
+    }
+    return data_.get();
+  }
+
+ private:
+  std::unique_ptr<float, decltype(&std::free)> data_{nullptr, &std::free};
+  int64_t size_ = 0;
 };
+
+thread_local Buffer k_buffer, v_buffer;
 
 // One job's buffers, reused from tile to tile.
 struct Scratch {
@@ -46,32 +58,38 @@ struct Scratch {
 };
 
 // Every tile of keys of one KV head, packed once for all query blocks: K as blocks of 16
-// keys [KEYS / 16, dim, 16] and V as blocks of 16 dims [ceil(dim / 16), KEYS, 16], zero
-// past the last key: the layouts matmul_rows multiplies by.
+// keys [KEYS / 16, dim, 16] and V as blocks of 16 dims [ceil(dim / 16), KEYS, 16]. Past
+// the last key, V is zero up to the next 16 (a probability of 0 times stale memory could
+// be NaN); K is not read there (those scores are masked).
 struct PackedKV {
   int64_t tile_floats;
-  Aligned k, v;
+  float *k, *v;
 
   PackedKV(const float* kc, const float* vc, const int64_t* ctx, int64_t keys, int64_t kv_heads,
            int64_t dim)
       : tile_floats(KEYS * round_up(dim, COLS)),
-        k(kv_heads * tiles(keys) * tile_floats),
-        v(kv_heads * tiles(keys) * tile_floats) {
+        k(k_buffer.reserve(kv_heads * tiles(keys) * tile_floats)),
+        v(v_buffer.reserve(kv_heads * tiles(keys) * tile_floats)) {
     const int64_t n = tiles(keys), stride = kv_heads * dim;
     parallel_jobs(kv_heads * n, [&](int64_t begin, int64_t end) {
       for (int64_t job = begin; job < end; ++job) {
-        float *kt = k.get() + job * tile_floats, *vt = v.get() + job * tile_floats;
-        std::fill(kt, kt + tile_floats, 0.f);
-        std::fill(vt, vt + tile_floats, 0.f);
+        float *kt = k + job * tile_floats, *vt = v + job * tile_floats;
         const int64_t head = job / n, first = (job % n) * KEYS;
-        for (int64_t c = 0; c < std::min(KEYS, keys - first); ++c) {
+        const int64_t count = std::min(KEYS, keys - first);
+        for (int64_t c = 0; c < count; ++c) {
           const float* kr = kc + ctx[first + c] * stride + head * dim;
           const float* vr = vc + ctx[first + c] * stride + head * dim;
           float* kb = kt + (c / COLS) * dim * COLS + c % COLS;
           for (int64_t d = 0; d < dim; ++d) kb[d * COLS] = kr[d];
-          for (int64_t d = 0; d < dim; d += COLS)
-            std::copy(vr + d, vr + std::min(d + COLS, dim), vt + d * KEYS + c * COLS);
+          float* vb = vt + c * COLS;
+          int64_t d = 0;
+          for (; d + 8 <= dim; d += 8)
+            _mm256_store_ps(vb + (d / COLS) * KEYS * COLS + d % COLS, _mm256_loadu_ps(vr + d));
+          for (; d < dim; ++d) vb[(d / COLS) * KEYS * COLS + d % COLS] = vr[d];
         }
+        for (int64_t block = 0; block < round_up(dim, COLS) / COLS; ++block)
+          std::fill(vt + (block * KEYS + count) * COLS,
+                    vt + (block * KEYS + round_up(count, COLS)) * COLS, 0.f);
       }
     });
   }
@@ -79,28 +97,28 @@ struct PackedKV {
   static int64_t tiles(int64_t keys) { return (keys + KEYS - 1) / KEYS; }
 };
 
-// Scores of one row -> probabilities for its first `seen` keys (0 past them), folding
-// the tile into the row's running max and sum; returns the factor its output must be
-// rescaled by.
-float softmax_row(float* s, int64_t seen, float& m, float& l) {
+// Scores of one row (`keys` of them, a multiple of 8) -> probabilities for its first
+// `seen` keys (0 past them), folding the tile into the row's running max and sum; returns
+// the factor its output must be rescaled by.
+float softmax_row(float* s, int64_t seen, int64_t keys, float& m, float& l) {
   if (seen <= 0) {
-    std::fill(s, s + KEYS, 0.f);
+    std::fill(s, s + keys, 0.f);
     return 1.f;
   }
-  std::fill(s + seen, s + KEYS, -INFINITY);
+  std::fill(s + seen, s + keys, -INFINITY);
   __m256 top = _mm256_set1_ps(m);
-  for (int64_t c = 0; c < KEYS; c += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + c));
+  for (int64_t c = 0; c < keys; c += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + c));
   const float row_max = hmax(top);
   const __m256 shift = _mm256_set1_ps(row_max);
   __m256 sum = _mm256_setzero_ps();
-  for (int64_t c = 0; c < KEYS; c += 8) {
+  for (int64_t c = 0; c < keys; c += 8) {
     const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + c), shift));
     _mm256_storeu_ps(s + c, p);
     sum = _mm256_add_ps(sum, p);
   }
   float total = hsum(sum);
-  for (int64_t c = seen; c < KEYS; ++c) total -= s[c];  // keys it may not see
-  std::fill(s + seen, s + KEYS, 0.f);
+  for (int64_t c = seen; c < keys; ++c) total -= s[c];  // keys it may not see
+  std::fill(s + seen, s + keys, 0.f);
   const float alpha = std::exp(m - row_max);
   l = l * alpha + total;
   m = row_max;
@@ -142,15 +160,17 @@ void causal_attention(const float* q, int64_t ld, const float* k_cache, const fl
       std::fill(w.l.begin(), w.l.begin() + rows, 0.f);
       const int64_t visible = num_cached + first + n;  // the block's last row sees these
       for (int64_t t = 0; t * KEYS < visible; ++t) {
+        // the keys of this tile that some row of the block sees, in whole 16-key blocks
+        const int64_t kpad = round_up(std::min(KEYS, visible - t * KEYS), COLS);
         const int64_t tile = (kv * PackedKV::tiles(keys) + t) * kv_tiles.tile_floats;
-        matmul_rows(w.q.data(), rows, dim, kv_tiles.k.get() + tile, KEYS, w.s.data(), KEYS,
-                    false);
+        const float *kt = kv_tiles.k + tile, *vt = kv_tiles.v + tile;
+        matmul_rows(w.q.data(), rows, dim, kt, dim * COLS, kpad, w.s.data(), kpad, false);
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t seen = std::min(KEYS, num_cached + first + r / group + 1 - t * KEYS);
-          const float alpha = softmax_row(w.s.data() + r * KEYS, seen, w.m[r], w.l[r]);
+          const int64_t seen = std::min(kpad, num_cached + first + r / group + 1 - t * KEYS);
+          const float alpha = softmax_row(w.s.data() + r * kpad, seen, kpad, w.m[r], w.l[r]);
           if (alpha != 1.f) scale_row(w.o.data() + r * dim, dim, alpha);
         }
-        matmul_rows(w.s.data(), rows, KEYS, kv_tiles.v.get() + tile, dim, w.o.data(), dim, true);
+        matmul_rows(w.s.data(), rows, kpad, vt, KEYS * COLS, dim, w.o.data(), dim, true);
       }
       for (int64_t i = 0; i < n; ++i)
         for (int64_t h = 0; h < group; ++h) {

@@ -175,9 +175,9 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& blocke
   return y;
 }
 
-void matmul_rows(const float* x, int64_t rows, int64_t k, const float* w, int64_t n, float* y,
-                 int64_t ld, bool accumulate) {
+void matmul_rows(const float* x, int64_t rows, int64_t k, const float* w, int64_t block_stride,
+                 int64_t n, float* y, int64_t ld, bool accumulate) {
   for (int64_t col = 0; col < n; col += COLS)
-    block_rows(x, rows, k, w + col * k, {y + col, nullptr, accumulate ? y + col : nullptr, ld,
-                                         std::min(COLS, n - col)});
+    block_rows(x, rows, k, w + col / COLS * block_stride,
+               {y + col, nullptr, accumulate ? y + col : nullptr, ld, std::min(COLS, n - col)});
 }

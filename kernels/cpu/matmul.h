@@ -15,7 +15,8 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& blocke
                              const torch::Tensor& bias, const std::optional<torch::Tensor>& residual);
 
 // y [rows, n] = x [rows, k] @ w (+ y itself where `accumulate`), w in block_weight's
-// layout ([ceil(n / 16), k, 16], zero-padded); y's rows are `ld` apart. On the calling
-// thread: for callers that split the work into jobs themselves (attention tiles).
-void matmul_rows(const float* x, int64_t rows, int64_t k, const float* w, int64_t n, float* y,
-                 int64_t ld, bool accumulate);
+// layout (ceil(n / 16) blocks [k, 16], zero-padded, `block_stride` floats apart: k * 16
+// when packed tight); y's rows are `ld` apart. On the calling thread: for callers that
+// split the work into jobs themselves (attention tiles).
+void matmul_rows(const float* x, int64_t rows, int64_t k, const float* w, int64_t block_stride,
+                 int64_t n, float* y, int64_t ld, bool accumulate);
