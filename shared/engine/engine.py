@@ -74,13 +74,16 @@ class EngineConfig:
         64, "most sequences running at once", aliases=("--max-running-requests",)
     )
     max_num_batched_tokens: int = option(
-        512, "token budget of one step (chunked prefill)", aliases=("--chunked-prefill-size",)
+        512,
+        "token budget of one step (chunked prefill); a prompt chunk's attention over its "
+        "cached context counts too, so late chunks of a long prompt are smaller",
+        aliases=("--chunked-prefill-size",),
     )
     schedule_policy: str = option(
         "fair",
         "how a step's token budget goes to prompts: fair (shared evenly, so short prompts "
-        "pass long ones), fcfs (the oldest first) or lpm (fcfs, the longest cached prefix "
-        "first)",
+        "pass long ones, and a step that finishes a prompt stays short), fcfs (the oldest "
+        "first) or lpm (fcfs, the longest cached prefix first)",
         choices=SCHEDULE_POLICIES,
     )
     max_model_len: int | None = option(
