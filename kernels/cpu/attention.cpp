@@ -25,7 +25,7 @@ namespace {
 
 constexpr int64_t QUERY_POSITIONS = 32;  // per job; rows are that times the group size
 constexpr int64_t KEYS = 256;            // per tile
-constexpr int64_t COLS = 16;             // matmul.cpp's block width
+constexpr int64_t COLS = BLOCK_COLS;
 
 int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 

@@ -15,7 +15,7 @@
 
 namespace {
 
-constexpr int64_t COLS = 16;
+constexpr int64_t COLS = BLOCK_COLS;
 // Rows one job multiplies against a block: decode and verification are one job per
 // block (the weight read once); prefill splits its rows so every core has work.
 constexpr int64_t JOB_ROWS = 48;

@@ -4,6 +4,9 @@
 
 #include <optional>
 
+// Output columns per block of block_weight's layout.
+constexpr int64_t BLOCK_COLS = 16;
+
 // A weight [N, K] as [ceil(N / 16), K, 16]: each block holds 16 output columns, one
 // 64-byte line per k, so a block streams sequentially and its 16 columns are two AVX
 // registers. The tail block is zero-padded. Stored in 2 MB-aligned memory on huge pages.

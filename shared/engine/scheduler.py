@@ -149,9 +149,10 @@ class Scheduler:
                 break
             tokens = self._tokens_within(work, cached[i])
             shares[i] = max(1, min(prompts[i].num_uncomputed, tokens))
-            budget -= self._cost(shares[i], cached[i])
+            spent = self._cost(shares[i], cached[i])
+            budget -= spent
             if shares[i] == prompts[i].num_uncomputed:
-                finished += self._cost(shares[i], cached[i])
+                finished += spent
         return shares
 
     def _cost(self, tokens: int, cached: int) -> float:

@@ -155,8 +155,10 @@ class TorchAttention:
             out[meta.decode_rows] = od.reshape(-1, num_heads, head_dim)
         for start, n, slots, mask in meta.extends:
             ke, ve = (_gather(c, slots, q.dtype).transpose(0, 1) for c in (k_cache, v_cache))
-            attend = _masked if mask is not None else _causal_over_prefix
-            out[start : start + n] = attend(q[start : start + n], ke, ve, mask)
+            qe = q[start : start + n]
+            out[start : start + n] = (
+                _causal_over_prefix(qe, ke, ve) if mask is None else _masked(qe, ke, ve, mask)
+            )
         return out.view(num_tokens, num_heads * head_dim)
 
 
@@ -190,9 +192,7 @@ def _masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return _ungrouped(o, len(q))
 
 
-def _causal_over_prefix(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _: None = None
-) -> torch.Tensor:
+def _causal_over_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """New rows q [n, H, D] causal among themselves over a prefix they all see (k, v
     [KVH, ctx, D], the new tokens last), with no mask at all: the unmasked prefix and the
     causal diagonal block each through CPU's flash kernel, which returns its log-sum-exp
