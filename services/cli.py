@@ -11,6 +11,7 @@ from typing import Any
 from services.decode.config import DecodeConfig
 from services.gateway.config import GatewayConfig
 from services.launcher import Configs, Launcher, UpConfig
+from services.learner.config import OnlineLearningConfig
 from services.prefill.config import PrefillConfig
 from services.tokenizer.config import TokenizerConfig
 from shared.bus import NatsAuth
@@ -29,6 +30,7 @@ _UP_CONFIGS = {
     "decode": DecodeConfig,
     "prefill": PrefillConfig,
     "tokenizer": TokenizerConfig,
+    "online": OnlineLearningConfig,
     "nats": NatsAuth,
     "sglang": SGLangFlags,
 }

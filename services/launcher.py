@@ -28,6 +28,7 @@ from prometheus_client import start_http_server
 from services.decode.config import DecodeConfig
 from services.drafter.config import DrafterConfig
 from services.gateway.config import GatewayConfig
+from services.learner.config import LearnerConfig, OnlineLearningConfig
 from services.prefill.config import PrefillConfig
 from services.supervision import Child, Server
 from services.tokenizer.config import TokenizerConfig
@@ -51,6 +52,7 @@ class UpConfig:
     tokenizers: int = option(1, "tokenizer instances")
     nats_url: str | None = option(None, "use this NATS server instead of starting one")
     metrics: bool = option(True, "serve /metrics from every service (on free ports)")
+    learner_nice: int = option(19, "niceness of the learner (--speculative-online-learning)")
     decode_nice: int = option(
         0,
         "niceness of decode workers (negative needs CAP_SYS_NICE); above 0 a background job "
@@ -70,7 +72,9 @@ class Configs:
     nats: NatsAuth
     sglang: SGLangFlags  # accepted for SGLang's launch commands; nothing here reads them
     tokenizer: TokenizerConfig
+    online: OnlineLearningConfig
     drafter: DrafterConfig = field(init=False)
+    learner: LearnerConfig = field(init=False)
     # NATS credentials of one kind of service (or the launcher), where each has its own
     nats_users: dict[str, NatsAuth] = field(init=False, default_factory=dict)
 
@@ -83,13 +87,15 @@ class Configs:
         self.gateway.model = model
         self.tokenizer.model = model
         self.drafter = DrafterConfig(model, device, dtype)
+        self.learner = LearnerConfig(model, device, dtype)
 
     def service_configs(self, kind: str) -> list[Any]:
         own = {
             "tokenizer": [self.tokenizer],
             "prefill": [self.engine, self.spec, self.transport, self.prefill],
             "decode": [self.engine, self.spec, self.transport, self.decode],
-            "drafter": [self.drafter, self.spec],
+            "drafter": [self.drafter, self.spec, self.transport],
+            "learner": [self.learner, self.online, self.spec, self.transport],
             "gateway": [self.gateway],
         }[kind]
         return [self.nats_users.get(kind, self.nats), *own]
@@ -206,6 +212,7 @@ class Launcher:
             "prefill": up.prefills,
             "decode": up.decoders,
             "drafter": up.drafters if self.configs.spec.enabled else 0,
+            "learner": int(self.configs.spec.speculative_online_learning),
             "gateway": 1,
         }
         # Each instance's cores, threads and niceness; a child dies with us.
@@ -215,8 +222,8 @@ class Launcher:
             for i in range(count):
                 instance = f"{kind}-{i}"
                 placement = cores[instance]
-                if kind == "decode":
-                    placement.nice = up.decode_nice
+                if kind in ("decode", "learner"):
+                    placement.nice = up.decode_nice if kind == "decode" else up.learner_nice
                 argv = [sys.executable, "-m", f"services.{kind}", "--nats-url", nats_url]
                 argv += ["--instance-id", instance, *self.configs.service_argv(kind)]
                 argv += dataclass_argv(placement)

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 # Below this many cores per decode worker, pinning would leave decode too few cores
 # and everything shares all of them.
 MIN_DECODE_CORES = 2
-COMPUTING = ("decode", "prefill", "drafter")
+COMPUTING = ("decode", "prefill", "drafter", "learner")
 CGROUP = Path("/sys/fs/cgroup")  # this process's cgroup, where cgroup v2 is mounted
 
 

@@ -44,6 +44,12 @@ def drafter_subject(drafter_id: str) -> str:
     return f"specmesh.drafter.{drafter_id}"
 
 
+# Online learning: drafters send what they served, the learner announces the pool's head.
+LEARN_EXAMPLES = "specmesh.learner.examples"  # queue group "learner"
+HEAD_VERSION = "specmesh.learner.head"  # broadcast: the head every drafter should draft with
+HEAD_REFUSED = "specmesh.learner.refused"  # a drafter could not take an announced version
+
+
 def flush_subject(instance_id: str) -> str:
     """A prefill or decode instance's: drop its prefix cache."""
     return f"specmesh.cache.{instance_id}.flush"
@@ -81,7 +87,8 @@ _ALLOWED: dict[str, tuple[list[str], list[str]]] = {
         [detok_subject("*"), drafter_subject("*")],
         [decode_subject("*"), flush_subject("*"), ABORT, GATEWAY_HEARTBEAT],
     ),
-    "drafter": ([], [drafter_subject("*"), ABORT]),
+    "drafter": ([LEARN_EXAMPLES, HEAD_REFUSED], [drafter_subject("*"), ABORT, HEAD_VERSION]),
+    "learner": ([HEAD_VERSION], [LEARN_EXAMPLES, HEAD_REFUSED]),
     "specmesh-up": ([], [HEARTBEAT.format(kind="*")]),  # the launcher sees services start
 }
 SERVICE_USERS = tuple(_ALLOWED)
@@ -341,6 +348,46 @@ class DraftReply(Message, kw_only=True):
     trees: list[DraftTreeMsg]
 
 
+class VersionAcceptance(Message, kw_only=True):
+    """Live acceptance of a head version: verification steps that had its drafts, and the
+    tokens those steps emitted (accepted drafts + the bonus token)."""
+
+    version: Count
+    steps: Count
+    tokens: Count
+
+
+class ServedExample(Message, kw_only=True):
+    """A finished request a drafter served: its tokens (prompt, then output), the target
+    features it was sent for positions `feature_position`.. (float16, [rows, feature_dim]
+    row-major), and the live acceptance it counted since its last example, per version."""
+
+    token_ids: list[TokenId]
+    prompt_len: Count
+    features: bytes
+    feature_position: Count
+    feature_dim: Annotated[int, msgspec.Meta(ge=1)]
+    acceptance: list[VersionAcceptance] = []
+
+
+class HeadVersion(Message, kw_only=True):
+    """The learner's word on the head a pool drafts with: version `version` of
+    `algorithm`'s head is the weights file under `key` in the KV store (its sha256
+    `sha256`) with this config.json."""
+
+    algorithm: str
+    version: Count
+    key: str
+    sha256: str
+    config: str
+
+
+class HeadRefused(Message, kw_only=True):
+    instance_id: str
+    version: Count
+    reason: str
+
+
 class Heartbeat(Message, kw_only=True):
     """An instance's liveness and load; `leaving` says goodbye on a clean shutdown."""
 
@@ -354,6 +401,7 @@ class Heartbeat(Message, kw_only=True):
     leaving: bool = False
     draining: bool = False  # stopping: finishing its requests, taking no new ones
     algorithm: str | None = None  # decode and drafters: the speculative algorithm
+    head_version: Count | None = None  # drafters learning online: the head version in use
     max_model_len: Count = 0  # decode: the longest prompt + output it runs
     incarnation: str = ""  # new each process start: a restart under one id is news
 
@@ -389,6 +437,9 @@ _MESSAGES: dict[str, type[Message]] = {
         DraftClose,
         DraftStep,
         DraftReply,
+        ServedExample,
+        HeadVersion,
+        HeadRefused,
         Heartbeat,
     )
 }

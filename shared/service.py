@@ -216,12 +216,27 @@ class Service:
 
     def main_loop(self) -> None:
         """The main thread's work until the service stops: calls from `on_main`."""
-        while (item := self._main_queue.get()) is not None:
+        while self.run_calls(None):
+            pass
+
+    def run_calls(self, wait_s: float | None) -> bool:
+        """Run the calls `on_main` queued, waiting up to `wait_s` (None: for ever) for the
+        first; False once the service stops. For main loops with work of their own."""
+        try:
+            item = self._main_queue.get(timeout=wait_s)
+        except queue.Empty:
+            return True
+        while item is not None:
             fn, args, done = item
             try:
                 done.set_result(fn(*args))
             except Exception as exc:
                 done.set_exception(exc)
+            try:
+                item = self._main_queue.get_nowait()
+            except queue.Empty:
+                return True
+        return False
 
     def stop_main_loop(self) -> None:
         self._main_queue.put(None)

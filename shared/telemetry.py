@@ -138,3 +138,26 @@ SPEC_ACCEPTANCE_LENGTH = Histogram(
     ["algorithm"],
     buckets=(1, 1.25, 1.5, 1.75, 2, 2.5, 3, 4, 5, 6, 8, 12),
 )
+
+# Online learning (drafters follow head versions, the learner trains and publishes them)
+ONLINE_HEAD_VERSION = Gauge(
+    "specmesh_online_head_version", "head version in use or announced", ["service"]
+)
+HEAD_SWAPS = Counter("specmesh_online_head_swaps", "head versions a drafter switched to")
+HEAD_REFUSALS = Counter("specmesh_online_head_refusals", "announced versions a drafter refused")
+EXAMPLES_BUFFERED = Gauge(
+    "specmesh_online_examples_buffered", "served requests the learner keeps", ["set"]
+)  # set: train | heldout
+TRAIN_STEPS = Counter("specmesh_online_train_steps", "the learner's optimizer steps")
+HELDOUT_ACCEPTANCE = Gauge(
+    "specmesh_online_heldout_acceptance", "acceptance length on held-out traffic", ["version"]
+)
+LIVE_ACCEPTANCE = Gauge(
+    "specmesh_online_live_acceptance", "acceptance length drafters measured", ["version"]
+)
+PUBLISHED_VERSIONS = Counter(
+    "specmesh_online_published_versions", "versions announced", ["source"]
+)  # source: trained | pushed
+ROLLBACKS = Counter(
+    "specmesh_online_rollbacks", "versions taken back (worse live acceptance, or refused)"
+)

@@ -62,6 +62,7 @@ from shared.transport import TransportConfig
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 SERVICES = ("gateway", "tokenizer", "prefill", "decode", "drafter")
+ALL_SERVICES = (*SERVICES, "learner")  # the learner runs where a pool learns online
 MODEL_POOLS = ("prefill", "decode", "drafter")  # they load the model (a drafter unless NGRAM)
 GPU_POOLS = ("prefill", "decode")  # the drafter's GPU depends on its algorithm
 COMPOSE_GPU = DEPLOY / "compose.gpu.yml"
@@ -284,7 +285,7 @@ def test_compose_has_no_default_passwords() -> None:
     text = (ROOT / "docker-compose.yml").read_text()
     passwords = re.findall(r"\$\{(\w*PASSWORD\w*)([^}]*)\}", text)
     assert {name for name, _ in passwords} == {
-        *(f"SPECMESH_NATS_{name.upper()}_PASSWORD" for name in SERVICES),
+        *(f"SPECMESH_NATS_{name.upper()}_PASSWORD" for name in ALL_SERVICES),
         "SPECMESH_REDIS_PASSWORD",
         "GRAFANA_ADMIN_PASSWORD",
     }
@@ -330,7 +331,7 @@ def test_prometheus_scrapes_every_service_where_it_serves() -> None:
     env = _compose()["services"]["decode"]["environment"]
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    assert set(jobs) == set(SERVICES)
+    assert set(jobs) == set(ALL_SERVICES)  # every service, the learner too
     for name, job in jobs.items():
         (sd,) = job["dns_sd_configs"]
         assert sd["names"] == [name]  # compose's DNS answers with every replica
@@ -565,7 +566,7 @@ def test_deployed_nats_gives_each_service_only_its_subjects(
     nomad = nats_task["template"][0]["data"].replace('\\"', '"')  # python-hcl2 escapes them
     for config in ((DEPLOY / "nats.conf").read_text(), nomad):
         entries = re.findall(r"\{user: (\w+), password: .*,\s*permissions: (\{.*\})\}", config)
-        expected = nats_users(dict.fromkeys(SERVICES, ""))
+        expected = nats_users(dict.fromkeys(ALL_SERVICES, ""))
         assert {u: json.loads(p) for u, p in entries} == {
             e["user"]: e["permissions"] for e in expected
         }

@@ -101,7 +101,9 @@ job "specmesh-infra" {
               {user: decode, password: "{{ with nomadVar "nomad/jobs" }}{{ .nats_decode_password }}{{ end }}",
                permissions: {"publish": {"allow": ["specmesh.tokenizer.*.detok", "specmesh.drafter.*", "specmesh.heartbeat.decode"]}, "subscribe": {"allow": ["specmesh.decode.*.admit", "specmesh.cache.*.flush", "specmesh.abort", "specmesh.heartbeat.gateway", "_INBOX.decode.>"]}, "allow_responses": true}},
               {user: drafter, password: "{{ with nomadVar "nomad/jobs" }}{{ .nats_drafter_password }}{{ end }}",
-               permissions: {"publish": {"allow": ["specmesh.heartbeat.drafter"]}, "subscribe": {"allow": ["specmesh.drafter.*", "specmesh.abort", "_INBOX.drafter.>"]}, "allow_responses": true}}
+               permissions: {"publish": {"allow": ["specmesh.learner.examples", "specmesh.learner.refused", "specmesh.heartbeat.drafter"]}, "subscribe": {"allow": ["specmesh.drafter.*", "specmesh.abort", "specmesh.learner.head", "_INBOX.drafter.>"]}, "allow_responses": true}},
+              {user: learner, password: "{{ with nomadVar "nomad/jobs" }}{{ .nats_learner_password }}{{ end }}",
+               permissions: {"publish": {"allow": ["specmesh.learner.head", "specmesh.heartbeat.learner"]}, "subscribe": {"allow": ["specmesh.learner.examples", "specmesh.learner.refused", "_INBOX.learner.>"]}, "allow_responses": true}}
             ]
           }
         EOT

@@ -9,7 +9,7 @@
 # through SPECMESH_*_PASSWORD_FILE (so they never appear in the job or the environment):
 #   nomad var put nomad/jobs nats_gateway_password=... nats_tokenizer_password=... \
 #     nats_prefill_password=... nats_decode_password=... nats_drafter_password=... \
-#     redis_password=...
+#     nats_learner_password=... redis_password=...
 # (one NATS user per kind of service, allowed only its own subjects: specmesh-infra's nats.conf)
 # Clients need the Docker driver, a host volume "specmesh-models" for the model cache, and
 # for the GPU pools the NVIDIA device plugin (device "nvidia/gpu").

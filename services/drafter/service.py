@@ -9,6 +9,7 @@ time than the hop there and back, so they run on the event loop.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -17,11 +18,16 @@ import numpy as np
 import torch
 
 from services.drafter.config import DrafterConfig
+from services.drafter.online import OnlineDrafting
 from shared.config import resolve_device, resolve_dtype
+from shared.core.tree import DraftTree
 from shared.model.fetch import resolve_model
 from shared.model.loader import load_model
 from shared.protocol import (
     ABORT,
+    HEAD_REFUSED,
+    HEAD_VERSION,
+    LEARN_EXAMPLES,
     Abort,
     DraftClose,
     DraftItem,
@@ -29,23 +35,34 @@ from shared.protocol import (
     DraftReply,
     DraftStep,
     DraftTreeMsg,
+    HeadRefused,
+    HeadVersion,
     Heartbeat,
     drafter_subject,
 )
 from shared.service import Service, ServiceConfig
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.drafter import DraftRequest
+from shared.speculative.eagle import EagleDrafter
 from shared.speculative.factory import make_drafter
 from shared.telemetry import ACTIVE_REQUESTS, DRAFT_SECONDS
+from shared.transport import TransportConfig
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class DrafterService(Service):
     kind = "drafter"
     computes = True
 
-    def __init__(self, cfg: ServiceConfig, dcfg: DrafterConfig, spec: SpeculativeConfig) -> None:
+    def __init__(
+        self,
+        cfg: ServiceConfig,
+        dcfg: DrafterConfig,
+        spec: SpeculativeConfig,
+        tcfg: TransportConfig,
+    ) -> None:
         super().__init__(cfg)
         if not spec.enabled:
             raise ValueError("a drafter needs --speculative-algorithm")
@@ -58,10 +75,27 @@ class DrafterService(Service):
         self.drafter = make_drafter(self.spec, target)
         self.open_requests: set[str] = set()
         self.on_io_thread = target is None
+        self.online: OnlineDrafting | None = None
+        if self.spec.speculative_online_learning:
+            assert isinstance(self.drafter, EagleDrafter)  # resolved() allows EAGLE heads only
+            self.online = OnlineDrafting(self.drafter, tcfg.open(), self.instance_id)
 
     async def start(self) -> None:
         await self.bus.serve(drafter_subject(self.instance_id), self.handle)
         await self.bus.serve(ABORT, self.abort)
+        if self.online is not None:
+            await self.bus.serve(HEAD_VERSION, self.follow_head)
+
+    async def follow_head(self, msg: HeadVersion) -> None:
+        assert self.online is not None
+        await self.online.follow(msg, self._on_draft_thread, self._refuse)
+
+    async def _refuse(self, msg: HeadRefused) -> None:
+        await self.bus.publish(HEAD_REFUSED, msg)
+
+    async def stop(self) -> None:
+        if self.online is not None:
+            self.online.transport.close()
 
     def heartbeat(self) -> Heartbeat:
         ACTIVE_REQUESTS.labels(self.kind).set(len(self.open_requests))
@@ -71,6 +105,7 @@ class DrafterService(Service):
             metrics_url=self.metrics_url,
             active_requests=len(self.open_requests),
             algorithm=self.spec.speculative_algorithm,
+            head_version=self.online.version if self.online is not None else None,
         )
 
     async def _on_draft_thread(self, fn: Callable[..., T], *args: Any) -> T:
@@ -83,8 +118,10 @@ class DrafterService(Service):
                 return None
             await self._on_draft_thread(self.drafter.open, msg.request_id, msg.token_ids)
             self.open_requests.add(msg.request_id)
+            if self.online is not None:
+                self.online.opened(msg.request_id, msg.token_ids)
         elif isinstance(msg, DraftClose):
-            await self._on_draft_thread(self._close, msg.request_id)
+            await self._finish(msg.request_id)
         elif isinstance(msg, DraftStep):
             return await self._draft(msg)
         else:
@@ -99,16 +136,34 @@ class DrafterService(Service):
         replies = [DraftTreeMsg(tokens=[], parents=[]) for _ in msg.items]
         if known:
             requests = [self._request(msg.items[i]) for i in known]
-            trees = await self._on_draft_thread(self.drafter.propose, requests)
+            version, trees = await self._on_draft_thread(self._propose, requests)
             for i, tree in zip(known, trees, strict=True):
                 replies[i] = DraftTreeMsg(tokens=tree.tokens, parents=tree.parents)
+            if self.online is not None:
+                for i, tree in zip(known, trees, strict=True):
+                    self.online.stepped(msg.items[i])
+                    self.online.drafted(msg.items[i].request_id, version, len(tree))
         DRAFT_SECONDS.observe(time.perf_counter() - start)
         return DraftReply(trees=replies)
+
+    def _propose(self, requests: list[DraftRequest]) -> tuple[int, list[DraftTree]]:
+        """Trees, and the head version that drafted them (read where heads are swapped)."""
+        version = self.online.version if self.online is not None else 0
+        return version, self.drafter.propose(requests)
 
     async def abort(self, msg: Abort) -> None:
         """A request ended without its decode worker closing it (the worker died)."""
         self.aborted.add(msg.request_id)
-        await self._on_draft_thread(self._close, msg.request_id)
+        await self._finish(msg.request_id)
+
+    async def _finish(self, request_id: str) -> None:
+        """Forget the request; learning online, it goes to the learner."""
+        await self._on_draft_thread(self._close, request_id)
+        if self.online is not None and (example := self.online.closed(request_id)):
+            try:
+                await self.bus.publish(LEARN_EXAMPLES, example)
+            except Exception as exc:  # an example lost costs the learner one example
+                log.warning("request %s did not reach the learner: %s", request_id, exc)
 
     def _close(self, request_id: str) -> None:
         if request_id in self.open_requests:

@@ -12,6 +12,7 @@ ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN", "DFLASH")
 ALIASES = {"MTP": "NEXTN"}  # SGLang's names for the same algorithm
 # Drafters that grow one chain: a draft step's top-1 only (SGLang: topk 1).
 CHAIN_ONLY = ("NEXTN", "DFLASH")
+ONLINE_ALGORITHMS = ("EAGLE", "EAGLE3")  # heads the learner can train from served traffic
 # Drafters trained here for the default model (see heads/*/README.md for how each was made).
 HEADS_DIR = Path(__file__).parent / "heads"
 SHIPPED = {p.name for p in HEADS_DIR.glob("*") if (p / "config.json").is_file()}
@@ -87,6 +88,11 @@ class SpeculativeConfig:
     speculative_adaptive: bool = option(
         True, "choose each request's draft budget per step from its acceptance and measured costs"
     )
+    speculative_online_learning: bool = option(
+        False,
+        "EAGLE/EAGLE3 over the services: drafters send what they serve to a learner, which "
+        "trains the head and publishes better versions; every drafter follows them",
+    )
 
     @property
     def enabled(self) -> bool:
@@ -154,6 +160,11 @@ class SpeculativeConfig:
             raise ValueError(
                 f"--speculative-num-draft-tokens {tokens} exceeds what {steps} steps of "
                 f"topk {topk} can draft ({steps * topk + 1})"
+            )
+        if self.speculative_online_learning and algo not in ONLINE_ALGORITHMS:
+            raise ValueError(
+                f"--speculative-online-learning trains {' and '.join(ONLINE_ALGORITHMS)} heads, "
+                f"not {algo}"
             )
         window = self.speculative_dflash_draft_window_size
         if window is not None and (algo != "DFLASH" or window < 1):

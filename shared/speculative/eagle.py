@@ -416,12 +416,13 @@ class EagleDrafter(LocalDrafter):
         path = Path(cfg.speculative_draft_model_path)
         weight = target.embed_tokens.weight
         device, dtype = weight.device, weight.dtype
-        head, spec, embed = load_head(path, cfg.speculative_algorithm, target)
+        self.algorithm, self.token_map = cfg.speculative_algorithm, cfg.speculative_token_map
+        head, spec, embed = load_head(path, self.algorithm, target)
         self.head = head.to(device, dtype).eval()
         self.embed = embed.to(device, dtype) if embed is not None else weight
         self.target = target
         self.target_features = spec.target_features
-        self._vocab(cfg.speculative_token_map)
+        self._vocab(self.token_map)
         pack_linears(self.head)
         self.kv_cache = KVCache.for_memory(self.head.config, kv_cache_gb, block_size, device, dtype)
         self.blocks = BlockManager(self.kv_cache.num_blocks, block_size)
@@ -458,6 +459,34 @@ class EagleDrafter(LocalDrafter):
         else:
             self.lm_rows = packed_lm_head(self.target.lm_head.weight[listed])
             self.vocab_ids = listed
+
+    def prepared(self, path: Path) -> EagleHead:
+        """The head at `path`, loaded and checked to take this one's place (any thread);
+        ValueError if it does not fit the target or this drafter's cache and features."""
+        head, spec, embed = load_head(path, self.algorithm, self.target)
+        if embed is not None:
+            raise ValueError("it brings its own token embedding; this drafter uses the target's")
+        if spec.target_features != self.target_features:
+            raise ValueError(
+                f"it reads target layers {spec.target_features}, this drafter "
+                f"{self.target_features}"
+            )
+        if head.config.hf_shape() != self.head.config.hf_shape():
+            raise ValueError(
+                f"its layer is shaped {head.config.hf_shape()}, this drafter's "
+                f"{self.head.config.hf_shape()}"
+            )
+        weight = self.target.embed_tokens.weight
+        head = head.to(weight.device, weight.dtype).eval()
+        pack_linears(head)
+        return head
+
+    def use(self, head: EagleHead) -> None:
+        """Draft with `head` (from `prepared`) from the next call on: on the thread that
+        drafts, so no step sees half of it. The cache keeps the old head's entries for the
+        requests in flight; they only cost acceptance until those requests end."""
+        self.head = head
+        self._vocab(self.token_map)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_rows is None:

@@ -11,8 +11,11 @@ all of them): on a CPU, training is bound by compute, not by data.
 
 Loss (SpecForge's): per step, soft cross-entropy against the target's distribution over
 the draft vocabulary, on positions whose target choice is in that vocabulary, weighted
-0.8^k. Held-out acceptance: the mean length of the chain of consecutive correct greedy
-steps, plus one (the bonus token) -- the acceptance length of chain drafting.
+0.8^k. Without the target's final states (examples a drafter served: it sees the
+features, not the output layer) the label is the target's chosen token, whose expected
+cross-entropy is the same. Held-out acceptance: the mean length of the chain of
+consecutive correct greedy steps, plus one (the bonus token) -- the acceptance length
+of chain drafting.
 
 On-policy stage (`--on-policy-epochs`, after the main one): training where the head's own
 drafts are rejected. Per batch, a probe without gradients unrolls every entry as a root:
@@ -52,7 +55,7 @@ class Batch:
 
     ids: torch.Tensor  # [B, M + 1]
     features: torch.Tensor  # [B, M + 1, F]
-    final: torch.Tensor  # [B, M + 1, H]
+    final: torch.Tensor | None  # [B, M + 1, H]; None: labels are the target's choices
     argmax: torch.Tensor  # [B, M + 1]
     learned: torch.Tensor  # [B, M + 1] bool: token p+1 is learned from position p
 
@@ -90,6 +93,7 @@ def collate(
 ) -> Batch:
     """Samples `idx` padded into a batch; `views` may build each view only when asked."""
     chosen = [views[i] for i in idx]
+    finals = [v.final for v in chosen]
 
     def pad(items: list[torch.Tensor]) -> torch.Tensor:
         return torch.nn.utils.rnn.pad_sequence(items, batch_first=True).to(device)
@@ -97,7 +101,7 @@ def collate(
     return Batch(
         ids=pad([torch.tensor(samples[i].ids) for i in idx]),
         features=pad([v.features for v in chosen]).float(),
-        final=pad([v.final for v in chosen]).float(),
+        final=None if any(f is None for f in finals) else pad(finals).float(),
         argmax=pad([v.argmax for v in chosen]),
         learned=pad([learned_positions(samples[i]) for i in idx]),
     )
@@ -216,8 +220,10 @@ def unrolled_loss(
     embed = target.embed_tokens.weight
     label_head = target.lm_head.weight if draft_ids is None else target.lm_head.weight[draft_ids]
     in_vocab = torch.ones(embed.shape[0], dtype=torch.bool, device=embed.device)
+    row_of = torch.arange(embed.shape[0], device=embed.device)  # target id -> logits row
     if draft_ids is not None:
         in_vocab.zero_()[draft_ids] = True
+        row_of[draft_ids] = torch.arange(len(draft_ids), device=embed.device)
     features = head.project(batch.features[:, :m].reshape(b * m, -1))
     context, _ = head.attention_input(embed[batch.ids[:, 1:].reshape(-1)], features)
     picked = roots.pick(batch.learned[:, 1:])  # [B, r]
@@ -240,7 +246,10 @@ def unrolled_loss(
             continue
         rows = learned.nonzero()[:, 0]
         logits = head.logits(hidden[rows], target).float()
-        per_row = soft_cross_entropy(logits, at(batch.final, 1 + k)[rows], label_head)
+        if batch.final is None:  # the target's choice: an unbiased sample of its distribution
+            per_row = F.cross_entropy(logits, row_of[choice[rows]], reduction="none")
+        else:
+            per_row = soft_cross_entropy(logits, at(batch.final, 1 + k)[rows], label_head)
         if roots.on_policy:
             per_row = per_row * reached(correct[rows])[:, k]
         loss = loss + STEP_DECAY**k * per_row.mean()

@@ -26,7 +26,7 @@ BLOCK = 16
 @dataclass
 class TargetView:
     features: torch.Tensor  # [N, F] what the head reads (EAGLE-3: three layers side by side)
-    final: torch.Tensor  # [N, H] final normed hidden state
+    final: torch.Tensor | None  # [N, H] final normed hidden state (None: not known)
     argmax: torch.Tensor  # [N] the target's greedy next token
 
 
@@ -50,15 +50,17 @@ def extract(
     normed: bool,
     tokens_per_batch: int = 4096,
     store_dtype: torch.dtype = torch.bfloat16,
+    progress: bool = True,
 ) -> list[TargetView]:
     """Teacher-forced target pass over every sample. `layers`/`normed` as the drafter's
-    `target_features` (EAGLE-3: outputs of three layers; EAGLE: the final normed state)."""
+    `target_features` (EAGLE-3: outputs of three layers; EAGLE: the final normed state).
+    `progress`: a progress bar (a service learning online shows none)."""
     device = target.embed_tokens.weight.device
     batches = _batches(samples, tokens_per_batch)
     blocks = max(sum(-(-len(samples[i].ids) // BLOCK) for i in b) for b in batches)
     cache = KVCache(target.config, blocks, BLOCK, device, target.embed_tokens.weight.dtype)
     views: list[TargetView] = []
-    for batch in tqdm(batches, desc="target features", unit="batch"):
+    for batch in tqdm(batches, desc="target features", unit="batch", disable=not progress):
         spans, ids, positions, next_block = [], [], [], 0
         for i in batch:
             n = len(samples[i].ids)

@@ -1,0 +1,284 @@
+"""The learner: one per drafter pool, training its head on what the pool serves.
+
+Drafters send each finished request (`ServedExample`, with the live acceptance they
+counted per head version). The main thread trains: a round of optimizer steps once enough
+new examples arrived, then the candidate's held-out acceptance against the pool's version
+decides whether it becomes a new version. The io thread watches the pool, so a bad
+version goes however long a round takes: a version any drafter refuses is taken back at
+once, and a new one, once it has served enough verification steps, if its live acceptance
+length is below its baseline's (the nearest earlier version that served enough) by more
+than the margin. Heads moved into incoming/ are pushed as new versions. The current
+version is announced every heartbeat interval, so a drafter that starts or missed one
+catches up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from services.learner.config import LearnerConfig, OnlineLearningConfig
+from services.learner.versions import HeadVersions
+from shared.config import resolve_device
+from shared.model.fetch import resolve_model
+from shared.model.loader import load_model
+from shared.protocol import (
+    HEAD_REFUSED,
+    HEAD_VERSION,
+    LEARN_EXAMPLES,
+    HeadRefused,
+    Heartbeat,
+    ServedExample,
+)
+from shared.service import Service, ServiceConfig
+from shared.speculative.config import ONLINE_ALGORITHMS, SpeculativeConfig
+from shared.speculative.eagle import EagleHead, HeadSpec, load_head, save_head
+from shared.telemetry import (
+    EXAMPLES_BUFFERED,
+    HELDOUT_ACCEPTANCE,
+    LIVE_ACCEPTANCE,
+    ONLINE_HEAD_VERSION,
+    PUBLISHED_VERSIONS,
+    ROLLBACKS,
+    TRAIN_STEPS,
+)
+from shared.training.online import OnlineOptions, OnlineTrainer
+from shared.transport import TransportConfig
+
+log = logging.getLogger(__name__)
+
+MIN_HELDOUT = 4  # held-out examples before any candidate is judged
+
+
+class LearnerService(Service):
+    kind = "learner"
+    computes = True
+
+    def __init__(
+        self,
+        cfg: ServiceConfig,
+        lcfg: LearnerConfig,
+        online: OnlineLearningConfig,
+        spec: SpeculativeConfig,
+        tcfg: TransportConfig,
+    ) -> None:
+        super().__init__(cfg)
+        self.online = online.checked()
+        spec = spec.resolved(lcfg.model)
+        self.algorithm = spec.speculative_algorithm or ""
+        if self.algorithm not in ONLINE_ALGORITHMS:
+            raise ValueError(f"a learner trains {' or '.join(ONLINE_ALGORITHMS)} heads")
+        device = resolve_device(lcfg.device)
+        target_dir = resolve_model(lcfg.model)
+        self.target = load_model(str(target_dir), device, torch.float32).requires_grad_(False)
+        root = Path(online.speculative_online_dir) / self.algorithm.lower()
+        base = Path(spec.speculative_draft_model_path or "")
+        self.versions = HeadVersions(root, base, self.algorithm)
+        self.lock = threading.Lock()  # the versions' state: the io thread's and the trainer's
+        self.trained_from = self.versions.current  # the version the trainer's head grew from
+        self.current_head, self.spec = self._load(self.trained_from)
+        options = OnlineOptions(
+            ttt_steps=spec.speculative_num_steps or 4,
+            lr=online.speculative_online_lr,
+            buffer_size=online.speculative_online_buffer_size,
+            heldout_share=online.speculative_online_heldout_share,
+        )
+        self.trainer = OnlineTrainer(self.target, copy.deepcopy(self.current_head), options)
+        self.transport = tcfg.open()
+        self.live: dict[int, list[int]] = {}  # version -> [verification steps, tokens]
+        self.unseen = 0  # new training examples not yet in a round
+        self.round_left = 0  # optimizer steps left in the round
+        self.announcement = self.versions.announcement()
+        ONLINE_HEAD_VERSION.labels(self.kind).set(self.versions.current)
+        log.info("learning %s online from version %d", self.algorithm, self.versions.current)
+
+    def _load(self, version: int) -> tuple[EagleHead, HeadSpec]:
+        head, spec, _ = load_head(self.versions.path(version), self.algorithm, self.target)
+        return head.float().eval(), spec
+
+    async def start(self) -> None:
+        await self.bus.serve(LEARN_EXAMPLES, self.on_example, queue="learner")
+        await self.bus.serve(HEAD_REFUSED, self.on_refused)
+        self._announcing = asyncio.create_task(self._announce())
+
+    async def _announce(self) -> None:
+        while True:
+            for path in self.versions.pushed():
+                await asyncio.to_thread(self._push, path)
+            head = self.announcement
+            try:
+                await asyncio.to_thread(self.versions.keep_stored, head, self.transport)
+                await self.bus.publish(HEAD_VERSION, head)
+            except Exception as exc:  # a store or NATS outage: the next tick tries again
+                log.warning("cannot announce head version %d: %s", head.version, exc)
+            await asyncio.sleep(self.cfg.heartbeat_interval)
+
+    async def on_example(self, msg: ServedExample) -> None:
+        features = np.frombuffer(msg.features, np.float16).reshape(-1, msg.feature_dim)
+        rows = torch.from_numpy(features.copy())
+        self.trainer.add(list(msg.token_ids), msg.prompt_len, rows, msg.feature_position)
+        for t in msg.acceptance:
+            tally = self.live.setdefault(t.version, [0, 0])
+            tally[0] += t.steps
+            tally[1] += t.tokens
+            LIVE_ACCEPTANCE.labels(str(t.version)).set(tally[1] / max(1, tally[0]))
+        with self.lock:
+            self._judge_live()
+
+    async def on_refused(self, msg: HeadRefused) -> None:
+        with self.lock:
+            current = self.versions.current
+            parent = self.versions.records[current].parent
+            if msg.version != current or parent is None:
+                return  # old news, or the pool's first head
+            log.error(
+                "%s refused head version %d (%s): the pool goes back to version %d",
+                msg.instance_id,
+                msg.version,
+                msg.reason,
+                parent,
+            )
+            self._take_back(current, "refused", parent)
+
+    async def stop(self) -> None:
+        self._announcing.cancel()
+        self.transport.close()
+
+    def heartbeat(self) -> Heartbeat:
+        EXAMPLES_BUFFERED.labels("train").set(len(self.trainer.train_set))
+        EXAMPLES_BUFFERED.labels("heldout").set(len(self.trainer.heldout))
+        return Heartbeat(
+            kind=self.kind,
+            instance_id=self.instance_id,
+            metrics_url=self.metrics_url,
+            algorithm=self.algorithm,
+            head_version=self.announcement.version,
+        )
+
+    def _push(self, path: Path) -> None:
+        """A head an operator moved into incoming/ becomes the pool's next version,
+        relayed as it is: drafters check it."""
+        with self.lock:
+            try:
+                version = self.versions.add(
+                    lambda out: shutil.copytree(path, out), self.versions.current, "pushed"
+                )
+            except (OSError, ValueError) as exc:
+                log.error("cannot push %s: %s", path, exc)
+            else:
+                log.info("pushing %s as head version %d", path.name, version)
+                self._publish(version, "pushed")
+        shutil.rmtree(path, ignore_errors=True)
+
+    def _judge_live(self) -> None:
+        """Keep or take back the version being watched once it has served enough."""
+        version = self.versions.current
+        record = self.versions.records[version]
+        steps, tokens = self.live.get(version, [0, 0])
+        if record.status != "serving" or record.parent is None:
+            return
+        if steps < self.online.speculative_online_rollback_steps:
+            return
+        live = tokens / steps
+        baseline = self._baseline(record.parent)
+        if baseline is not None:
+            before = self.live[baseline][1] / self.live[baseline][0]
+            if live < before - self.online.speculative_online_rollback_margin:
+                log.warning(
+                    "head version %d drafts worse live (acceptance length %.2f) than version "
+                    "%d (%.2f): rolling back",
+                    version,
+                    live,
+                    baseline,
+                    before,
+                )
+                self._take_back(version, "rolled back", baseline)
+                return
+        log.info("head version %d kept (live acceptance length %.2f)", version, live)
+        self.versions.mark(version, "kept")
+
+    def _baseline(self, version: int | None) -> int | None:
+        """`version` or its nearest ancestor with enough live steps to compare against."""
+        while version is not None:
+            if self.live.get(version, [0])[0] >= self.online.speculative_online_rollback_steps:
+                return version
+            version = self.versions.records[version].parent
+        return None
+
+    def _take_back(self, version: int, status: str, to: int) -> None:
+        self.versions.mark(version, status)
+        self.versions.serve(to)
+        self._announce_current()
+        ROLLBACKS.inc()
+
+    def _publish(self, version: int, source: str) -> None:
+        self.versions.serve(version)
+        self._announce_current()
+        PUBLISHED_VERSIONS.labels(source).inc()
+        log.info("announcing head version %d (%s)", version, source)
+
+    def _announce_current(self) -> None:
+        self.announcement = self.versions.announcement()
+        ONLINE_HEAD_VERSION.labels(self.kind).set(self.versions.current)
+
+    def main_loop(self) -> None:
+        """Train one step at a time while a round is on, between calls from the io thread."""
+        while self.run_calls(0.0 if self.round_left else 0.5):
+            self._follow_the_pool()
+            self.unseen += self.trainer.take_new()
+            if not self.round_left and self.unseen >= self.online.speculative_online_min_examples:
+                self.unseen, self.round_left = 0, self.online.speculative_online_round_steps
+            if self.round_left:
+                self.trainer.train_step()
+                TRAIN_STEPS.inc()
+                self.round_left -= 1
+                if not self.round_left:
+                    self._judge_candidate()
+
+    def _follow_the_pool(self) -> None:
+        """Train from the pool's version once it is one this trainer did not grow and no
+        longer watched (a push kept, a rollback's): a round under way is dropped."""
+        with self.lock:
+            current = self.versions.current
+            settled = self.versions.records[current].status == "kept"
+        if current != self.trained_from and settled:
+            self.current_head, _ = self._load(current)
+            self.trainer.reset(copy.deepcopy(self.current_head))
+            self.trained_from, self.round_left = current, 0
+            log.info("training on from head version %d", current)
+
+    def _judge_candidate(self) -> None:
+        """Publish the trained head if it beats the pool's on held-out traffic."""
+        if len(self.trainer.heldout) < MIN_HELDOUT:
+            return
+        candidate = self.trainer.heldout_acceptance(self.trainer.head)
+        current = self.trainer.heldout_acceptance(self.current_head)
+        HELDOUT_ACCEPTANCE.labels(str(self.trained_from)).set(current)
+        log.info(
+            "held-out acceptance length: candidate %.3f, version %d %.3f",
+            candidate,
+            self.trained_from,
+            current,
+        )
+        if candidate < current + self.online.speculative_online_min_gain:
+            return
+        head = copy.deepcopy(self.trainer.head).eval()
+        with self.lock:
+            if self.versions.current != self.trained_from:
+                return  # the pool moved on while this round ran
+            version = self.versions.add(
+                lambda path: save_head(copy.deepcopy(head), path, self.target.config, self.spec),
+                self.trained_from,
+                "trained",
+                candidate,
+            )
+            self._publish(version, "trained")
+        self.current_head, self.trained_from = head, version
+        HELDOUT_ACCEPTANCE.labels(str(version)).set(candidate)

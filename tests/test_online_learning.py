@@ -1,0 +1,239 @@
+"""Online learning: a drafter pool whose head a learner trains on the traffic it serves.
+
+The trainer and the version store alone, then one deployment (EAGLE-3 over the services,
+learning online with thresholds small enough for a test) through which versions are
+published, swapped under concurrency, rolled back, refused and resumed, while greedy
+output stays the target's own.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from deployment import chat_text, heartbeats, listing, specmesh_up
+from helpers import SMOLLM_HEAD, write_eagle_head
+from safetensors.torch import load_file, save_file
+
+from services.learner.versions import HeadVersions
+from shared.engine.engine import EngineConfig, LLMEngine
+from shared.infra import start_nats
+from shared.model.loader import load_model
+from shared.sampling.params import SamplingParams
+from shared.speculative.config import shipped_drafter
+from shared.speculative.eagle import load_head
+from shared.speculative.head_blob import WEIGHTS
+from shared.tokenizer import Tokenizer
+from shared.training.data import Sample
+from shared.training.features import extract
+from shared.training.online import OnlineOptions, OnlineTrainer, is_heldout
+from shared.transport.shm import ShmTransport
+
+TOPICS = "owls rivers volcanoes bread chess rain bees trains moons glass salt maps clocks ice"
+PROMPTS = [f"Write two short facts about {topic}." for topic in TOPICS.split()]
+PROMPTS += ["Count from one to eight in words.", "List four colours of the rainbow."]
+PROMPTS += ["Spell 'river' letter by letter.", "Name three planets.", "Give a synonym for big."]
+PROMPTS += ["What is two plus three?"]
+MAX_TOKENS = 24
+GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS}
+DRAFTERS = {"drafter-0", "drafter-1"}
+ROLLBACK_STEPS = 20
+
+
+def test_the_heldout_share_is_a_fixed_hash_of_the_prompt() -> None:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(49152) for _ in range(rng.randrange(1, 50))] for _ in range(4000)]
+    held = [is_heldout(p, 0.1) for p in prompts]
+    assert 0.08 < sum(held) / len(held) < 0.12
+    assert held == [is_heldout(list(p), 0.1) for p in prompts]  # the same prompts, always
+
+
+def test_training_on_served_examples_raises_heldout_acceptance(smollm_dir: Path) -> None:
+    """Numbered lists of a few words: the shipped head drafts them poorly until trained on
+    what a drafter would have been sent (the target's features, its tokens)."""
+    target = load_model(str(smollm_dir), torch.device("cpu"), torch.float32)
+    head, spec, _ = load_head(Path(shipped_drafter(None, "EAGLE3")), "EAGLE3", target)
+    options = OnlineOptions(lr=1e-3, heldout_share=0.25, batch_tokens=768)
+    trainer = OnlineTrainer(target.requires_grad_(False), head, options)
+    tok, rng = Tokenizer(smollm_dir), random.Random(0)
+    words = "apple river stone cloud tiger lamp piano forest candle mirror".split()
+    served = []
+    for i in range(24):
+        chosen = [rng.choice(words) for _ in range(10)]
+        content = f"List these words, numbered ({i}): {' '.join(chosen)}"
+        prompt = tok.encode_chat([{"role": "user", "content": content}])
+        answer = tok.encode("\n".join(f"{k + 1}. {w.capitalize()}" for k, w in enumerate(chosen)))
+        served.append(Sample(prompt + answer, [(len(prompt), len(prompt) + len(answer))]))
+    layers, normed = spec.target_features
+    for sample, view in zip(served, extract(target, served, layers, normed), strict=True):
+        features = view.features[:-1].to(torch.float16)  # positions before the last token
+        trainer.add(sample.ids, sample.spans[0][0], features, 0)
+    assert len(trainer.heldout) >= 4 and trainer.take_new() == len(trainer.train_set)
+    before = trainer.heldout_acceptance(copy.deepcopy(trainer.head))
+    for _ in range(8):
+        trainer.train_step()
+    assert trainer.heldout_acceptance(trainer.head) > before + 0.3
+
+
+def test_versions_persist_and_their_blobs_are_stored(tmp_path: Path) -> None:
+    base = Path(shipped_drafter(None, "EAGLE3"))
+    versions = HeadVersions(tmp_path / "eagle3", base, "EAGLE3")
+    pushed = versions.add(lambda out: shutil.copytree(base, out), 0, "pushed")
+    versions.serve(pushed)
+    versions.mark(pushed, "kept")
+    again = HeadVersions(tmp_path / "eagle3", base, "EAGLE3")  # a restarted learner
+    assert again.current == pushed and again.records == versions.records
+    head = again.announcement()
+    store = ShmTransport("online-test", root=tmp_path)
+    again.keep_stored(head, store)
+    assert store.get_many([head.key]) == [(base / WEIGHTS).read_bytes()]
+    assert head.config == (base / "config.json").read_text()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm_dir: Path) -> dict[str, str]:
+    """The target's own greedy answers (no speculation)."""
+    tok = Tokenizer(smollm_dir)
+    engine = LLMEngine(EngineConfig(model=str(smollm_dir), kv_cache_gb=0.25))
+    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    return {p: tok.decode(o) for p, o in zip(PROMPTS, engine.generate(ids, params), strict=True)}
+
+
+class Pool:
+    def __init__(self, url: str, nats_url: str, log: Path, root: Path) -> None:
+        self.url, self.nats_url, self.log, self.root = url, nats_url, log, root
+
+    def state(self) -> dict:
+        return json.loads((self.root / "eagle3" / "state.json").read_text())
+
+    def push(self, head: Path, name: str) -> None:
+        """As an operator would: a checkpoint moved into incoming/ whole."""
+        shutil.move(str(head), self.root / "eagle3" / "incoming" / name)
+
+    def pushed(self, after: int) -> int | None:
+        """The version a push after version number `after` became, once it has."""
+        found = [int(v) for v, r in self.state()["versions"].items() if r["source"] == "pushed"]
+        return max((v for v in found if v > after), default=None)
+
+    def drafter_version(self) -> int | None:
+        """The version every drafter drafts with (None while they differ)."""
+        beats = heartbeats(self.nats_url, 1.5)
+        versions = {beats[d].head_version if d in beats else None for d in DRAFTERS}
+        return versions.pop() if len(versions) == 1 else None
+
+    def serve_all(self) -> dict[str, str]:
+        with ThreadPoolExecutor(8) as pool:
+            answers = pool.map(lambda p: chat_text(self.url, p, **GREEDY), PROMPTS)
+            return dict(zip(PROMPTS, answers, strict=True))
+
+    def wait_for(self, what: str, done: object, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():  # type: ignore[operator]
+            assert time.monotonic() < deadline, f"{what}: not within {timeout} s\n{self.log_text()}"
+            time.sleep(0.5)
+
+    def log_text(self) -> str:
+        return "\n".join(line for line in self.log.read_text().splitlines() if "learner" in line)
+
+
+def random_head(path: Path) -> Path:
+    """A head shaped as the shipped one, with random weights: it drafts nothing right."""
+    shipped = Path(shipped_drafter(None, "EAGLE3"))
+    path.mkdir()
+    shutil.copy(shipped / "config.json", path / "config.json")
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        name: torch.randn(t.shape, generator=generator).to(t.dtype) if t.is_floating_point() else t
+        for name, t in load_file(shipped / WEIGHTS).items()
+    }
+    save_file(tensors, path / WEIGHTS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pool(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    """EAGLE-3 learning online with two drafters; the learner publishes whatever it
+    trains (min gain < 0), after rounds of 2 steps, and judges a version live after 20
+    verification steps."""
+    root = tmp_path_factory.mktemp("online")
+    log = root / "up.log"
+    args = ["--speculative-algorithm", "EAGLE3", "--speculative-online-learning", "--drafters", "2"]
+    args += ["--speculative-online-dir", str(root), "--kv-namespace", "online-test"]
+    args += ["--speculative-online-min-examples", "4", "--speculative-online-round-steps", "2"]
+    args += ["--speculative-online-min-gain", "-10", "--speculative-online-heldout-share", "0.4"]
+    args += ["--speculative-online-rollback-steps", str(ROLLBACK_STEPS)]
+    with start_nats() as bus, specmesh_up(smollm_dir, "--nats-url", bus.url, *args, log=log) as url:
+        yield Pool(url, bus.url, log, root)
+
+
+def test_heads_swapped_under_concurrency_leave_output_unchanged(
+    pool: Pool, reference: dict[str, str]
+) -> None:
+    assert pool.serve_all() == reference
+    pool.wait_for("a trained version", lambda: pool.state()["current"] > 0)
+    assert pool.serve_all() == reference  # drafted by the versions published meanwhile
+    versions = pool.state()["versions"]
+    assert any(v["source"] == "trained" for v in versions.values())
+    pool.wait_for("the drafter on it", lambda: pool.drafter_version() == pool.state()["current"])
+
+
+def test_a_head_that_drafts_worse_is_rolled_back(
+    pool: Pool, reference: dict[str, str], tmp_path: Path
+) -> None:
+    last = max(int(v) for v in pool.state()["versions"])
+    pool.push(random_head(tmp_path / "random"), "random")
+    pool.wait_for("the push", lambda: pool.pushed(last) is not None)
+    bad = pool.pushed(last)
+    pool.wait_for("the drafter on it", lambda: pool.drafter_version() == bad)
+    while pool.state()["versions"][str(bad)]["status"] == "serving":
+        assert pool.serve_all() == reference
+    assert pool.state()["versions"][str(bad)]["status"] == "rolled back"
+    assert "drafts worse live" in pool.log_text()
+    pool.wait_for("the drafters back", lambda: pool.drafter_version() not in (None, bad))
+
+
+@pytest.mark.parametrize("kind", ["mismatched", "corrupt"])
+def test_a_corrupt_or_mismatched_head_is_refused(pool: Pool, kind: str, tmp_path: Path) -> None:
+    """Every drafter refuses it and drafts on; the pool goes back to the version it had
+    (the learner may publish trained ones meanwhile)."""
+    last = max(int(v) for v in pool.state()["versions"])
+    if kind == "mismatched":  # a head for a target of another width
+        other = {**SMOLLM_HEAD, "hidden_size": 64, "intermediate_size": 128}
+        (tmp_path / kind).mkdir()
+        head = Path(write_eagle_head(tmp_path / kind, eagle3=True, shape=other))
+    else:  # cut short
+        head = tmp_path / kind
+        shutil.copytree(Path(shipped_drafter(None, "EAGLE3")), head)
+        (head / WEIGHTS).write_bytes((head / WEIGHTS).read_bytes()[:100_000])
+    pool.push(head, kind)
+    pool.wait_for("the push", lambda: pool.pushed(last) is not None)
+    pushed = pool.pushed(last)
+    pool.wait_for("a refusal", lambda: pool.state()["versions"][str(pushed)]["status"] == "refused")
+    for drafter in DRAFTERS:
+        refusal = f"{drafter} ERROR services.drafter.online: refusing head version {pushed}: "
+        pool.wait_for(f"{drafter}'s refusal", lambda r=refusal: r in pool.log.read_text())
+    had = pool.state()["versions"][str(pushed)]["parent"]
+    assert f"the pool goes back to version {had}" in pool.log_text()
+    assert f"drafting with head version {pushed}" not in pool.log.read_text()
+    pool.wait_for("the drafters on the pool's version", lambda: pool.drafter_version() is not None)
+
+
+def test_a_restarted_pool_resumes_the_latest_version(pool: Pool) -> None:
+    processes = listing(pool.log)
+    os.kill(processes["learner-0"][0], signal.SIGKILL)  # supervision restarts it
+    current = pool.state()["current"]  # what it last made current
+    os.kill(processes["drafter-0"][0], signal.SIGKILL)
+    pool.wait_for("both back", lambda: pool.log.read_text().count("learner-0 ready") == 2)
+    pool.wait_for("the drafter on the latest", lambda: pool.drafter_version() == current)
+    assert heartbeats(pool.nats_url, 1.5)["learner-0"].head_version == current
