@@ -87,7 +87,7 @@ class Configs:
         self.gateway.model = model
         self.tokenizer.model = model
         self.drafter = DrafterConfig(model, device, dtype)
-        self.learner = LearnerConfig(model, device, dtype)
+        self.learner = LearnerConfig(model, device)
 
     def service_configs(self, kind: str) -> list[Any]:
         own = {

@@ -6,16 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.config import device_option, dtype_option, model_option, option
+from shared.config import device_option, model_option, option
 
 DEFAULT_ONLINE_DIR = Path.home() / ".cache" / "specmesh" / "online"
 
 
 @dataclass
 class LearnerConfig:
-    model: str | None = model_option()  # the target: the learner computes its features
+    """The target (its embeddings serve the head) and the device; training is float32."""
+
+    model: str | None = model_option()
     device: str | None = device_option()
-    dtype: str | None = dtype_option()
 
 
 @dataclass
