@@ -32,7 +32,9 @@ import sys
 import sysconfig
 import textwrap
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -127,15 +129,15 @@ class Replay:
         }
 
 
-def deployment(model: Path, online_dir: Path | None, log: Path, learner_nice: int) -> tuple:
+@contextmanager
+def deployment(model: Path, online_dir: Path | None, log: Path, learner_nice: int) -> Iterator[str]:
+    """EAGLE-3 over the services, learning online into `online_dir` if given: its URL."""
     args = ["--speculative-algorithm", "EAGLE3"]
     if online_dir is not None:
         args += ["--speculative-online-learning", "--speculative-online-dir", str(online_dir)]
         args += ["--learner-nice", str(learner_nice)]
-    nats = start_nats()
-    server = nats.__enter__()
-    up = specmesh_up(model, "--nats-url", server.url, *args, log=log)
-    return nats, up, up.__enter__()
+    with start_nats() as bus, specmesh_up(model, "--nats-url", bus.url, *args, log=log) as url:
+        yield url
 
 
 def current_version(online_dir: Path) -> int:
@@ -189,19 +191,14 @@ def main() -> None:
         (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
 
     speed = stream[: args.speed_requests]
-    nats, up, url = deployment(model, None, args.out / "off.log", args.learner_nice)
-    try:
+    with deployment(model, None, args.out / "off.log", args.learner_nice) as url:
         emit("off", Replay(url, args.new_tokens, args.concurrency).run(speed))
-    finally:
-        up.__exit__(None, None, None)
-        nats.__exit__(None, None, None)
 
     online = args.out / "online"
     shutil.rmtree(online, ignore_errors=True)
     log = args.out / "on.log"
-    nats, up, url = deployment(model, online, log, args.learner_nice)
-    versions = {"start": current_version(online)}
-    try:
+    with deployment(model, online, log, args.learner_nice) as url:
+        versions = {"start": current_version(online)}
         replay = Replay(url, args.new_tokens, args.concurrency)
         for start in range(0, args.requests, 100):
             end = min(start + 100, args.requests)
@@ -223,9 +220,6 @@ def main() -> None:
         ):
             time.sleep(10)
         versions["after"] = current_version(online)
-    finally:
-        up.__exit__(None, None, None)
-        nats.__exit__(None, None, None)
     state = json.loads((online / "eagle3" / "state.json").read_text())
     emit("versions", state["versions"])
     measured: dict[int, float] = {}

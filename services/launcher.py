@@ -216,14 +216,14 @@ class Launcher:
             "gateway": 1,
         }
         # Each instance's cores, threads and niceness; a child dies with us.
+        niceness = {"decode": up.decode_nice, "learner": up.learner_nice}
         cores = plan_cores(sorted(os.sched_getaffinity(0)), counts)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for kind, count in counts.items():
             for i in range(count):
                 instance = f"{kind}-{i}"
                 placement = cores[instance]
-                if kind in ("decode", "learner"):
-                    placement.nice = up.decode_nice if kind == "decode" else up.learner_nice
+                placement.nice = niceness.get(kind, placement.nice)
                 argv = [sys.executable, "-m", f"services.{kind}", "--nats-url", nats_url]
                 argv += ["--instance-id", instance, *self.configs.service_argv(kind)]
                 argv += dataclass_argv(placement)

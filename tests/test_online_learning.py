@@ -15,7 +15,7 @@ import random
 import shutil
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -137,9 +137,9 @@ class Pool:
             answers = pool.map(lambda p: chat_text(self.url, p, **GREEDY), PROMPTS)
             return dict(zip(PROMPTS, answers, strict=True))
 
-    def wait_for(self, what: str, done: object, timeout: float = 120) -> None:
+    def wait_for(self, what: str, done: Callable[[], bool], timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
-        while not done():  # type: ignore[operator]
+        while not done():
             assert time.monotonic() < deadline, f"{what}: not within {timeout} s\n{self.log_text()}"
             time.sleep(0.5)
 

@@ -54,13 +54,12 @@ class OnlineDrafting:
     def opened(self, request_id: str, prompt_ids: list[int]) -> None:
         self.served[request_id] = Served(list(prompt_ids), len(prompt_ids))
 
-    def stepped(self, item: DraftItem) -> None:
+    def stepped(self, item: DraftItem, rows: np.ndarray | None) -> None:
         """A draft step's news of a request: the tokens verification emitted since its
-        last step, and the target features of the positions since."""
+        last step, and `rows`, the target features of the positions since."""
         served = self.served[item.request_id]
         served.tokens += item.new_tokens
-        if item.features is not None:
-            rows = np.frombuffer(item.features, np.float32).reshape(item.feature_shape)
+        if rows is not None:
             if not served.features:
                 served.feature_position = item.feature_position
             served.features.append(rows.astype(np.float16))

@@ -135,13 +135,14 @@ class DrafterService(Service):
         known = [i for i, item in enumerate(msg.items) if item.request_id in self.open_requests]
         replies = [DraftTreeMsg(tokens=[], parents=[]) for _ in msg.items]
         if known:
-            requests = [self._request(msg.items[i]) for i in known]
+            rows = [feature_rows(msg.items[i]) for i in known]
+            requests = [self._request(msg.items[i], r) for i, r in zip(known, rows, strict=True)]
             version, trees = await self._on_draft_thread(self._propose, requests)
             for i, tree in zip(known, trees, strict=True):
                 replies[i] = DraftTreeMsg(tokens=tree.tokens, parents=tree.parents)
             if self.online is not None:
-                for i, tree in zip(known, trees, strict=True):
-                    self.online.stepped(msg.items[i])
+                for i, r, tree in zip(known, rows, trees, strict=True):
+                    self.online.stepped(msg.items[i], r)
                     self.online.drafted(msg.items[i].request_id, version, len(tree))
         DRAFT_SECONDS.observe(time.perf_counter() - start)
         return DraftReply(trees=replies)
@@ -170,11 +171,17 @@ class DrafterService(Service):
             self.open_requests.discard(request_id)
             self.drafter.close(request_id)
 
-    def _request(self, item: DraftItem) -> DraftRequest:
+    def _request(self, item: DraftItem, rows: np.ndarray | None) -> DraftRequest:
         features = None
-        if item.features is not None:
-            array = np.frombuffer(item.features, dtype=np.float32).reshape(item.feature_shape)
-            features = torch.from_numpy(array.copy()).to(self.device, self.dtype)
+        if rows is not None:
+            features = torch.from_numpy(rows.copy()).to(self.device, self.dtype)
         return DraftRequest(
             item.request_id, item.new_tokens, item.max_drafts, features, item.feature_position
         )
+
+
+def feature_rows(item: DraftItem) -> np.ndarray | None:
+    """The target features an item carries, [positions, feature dim] (a view of its bytes)."""
+    if item.features is None:
+        return None
+    return np.frombuffer(item.features, dtype=np.float32).reshape(item.feature_shape)

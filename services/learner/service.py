@@ -93,7 +93,6 @@ class LearnerService(Service):
         self.trainer = OnlineTrainer(self.target, copy.deepcopy(self.current_head), options)
         self.transport = tcfg.open()
         self.live: dict[int, list[int]] = {}  # version -> [verification steps, tokens]
-        self.unseen = 0  # new training examples not yet in a round
         self.round_left = 0  # optimizer steps left in the round
         self.announcement = self.versions.announcement()
         ONLINE_HEAD_VERSION.labels(self.kind).set(self.versions.current)
@@ -232,9 +231,10 @@ class LearnerService(Service):
         """Train one step at a time while a round is on, between calls from the io thread."""
         while self.run_calls(0.0 if self.round_left else 0.5):
             self._follow_the_pool()
-            self.unseen += self.trainer.take_new()
-            if not self.round_left and self.unseen >= self.online.speculative_online_min_examples:
-                self.unseen, self.round_left = 0, self.online.speculative_online_round_steps
+            enough = self.trainer.new_examples >= self.online.speculative_online_min_examples
+            if not self.round_left and enough:
+                self.trainer.take_new()
+                self.round_left = self.online.speculative_online_round_steps
             if self.round_left:
                 self.trainer.train_step()
                 TRAIN_STEPS.inc()

@@ -94,6 +94,11 @@ class EagleHead(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """EAGLE-3: the target id of each row of its draft vocabulary (d2t holds offsets)."""
+        return self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)
+
     def project(self, target_features: torch.Tensor) -> torch.Tensor:
         """Target features into the head's input space (EAGLE-3 compresses three layers)."""
         return self.fc(target_features) if self.eagle3 else target_features
@@ -365,7 +370,7 @@ def save_head(head: EagleHead, path: Path, target: ModelConfig, spec: HeadSpec) 
             tensors[key] = value if name == "d2t" else value.to(torch.bfloat16)
     if eagle3:
         t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
-        t2d[head.d2t + torch.arange(len(head.d2t))] = True
+        t2d[head.draft_ids] = True
         tensors["t2d"] = t2d
     save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors")
     layers, _ = spec.target_features
@@ -444,7 +449,7 @@ class EagleDrafter(LocalDrafter):
         self.vocab_ids: torch.Tensor | None = None
         self.lm_rows: Linear | None = None
         if head.eagle3:
-            self.vocab_ids = head.d2t + torch.arange(len(head.d2t), device=device)
+            self.vocab_ids = head.draft_ids.to(device)
         if token_map is None:
             return
         listed = load_token_map(token_map, self.target.config.vocab_size).to(device)

@@ -30,6 +30,7 @@ from shared.speculative.eagle import EagleHead
 from shared.training.data import Sample
 from shared.training.eagle_trainer import (
     Roots,
+    StepResult,
     acceptance_length,
     collate,
     unrolled_loss,
@@ -116,17 +117,17 @@ class OnlineTrainer:
         return heldout
 
     def take_new(self) -> int:
-        """How many training examples arrived since the last call."""
+        """How many training examples arrived since the last call (`new_examples`)."""
         with self._lock:
             new, self.new_examples = self.new_examples, 0
         return new
 
-    def _draft_ids(self, head: EagleHead) -> torch.Tensor | None:
-        """The target id of each draft-vocabulary row (EAGLE-3), None: the target's vocab."""
-        return head.d2t + torch.arange(len(head.d2t)) if head.eagle3 else None
-
-    def _batch(self, examples: list[Example]) -> tuple[list[Sample], list[TargetView]]:
-        return [e.sample for e in examples], [e.view for e in examples]
+    def _loss(self, head: EagleHead, examples: list[Example], roots: Roots) -> StepResult:
+        samples, views = [e.sample for e in examples], [e.view for e in examples]
+        device = self.target.lm_head.weight.device
+        batch = collate(samples, views, list(range(len(samples))), device)
+        draft_ids = head.draft_ids if head.eagle3 else None  # None: the target's vocabulary
+        return unrolled_loss(head, self.target, batch, self.options.ttt_steps, draft_ids, roots)
 
     def _pick(self) -> list[Example]:
         """Random training examples, about `batch_tokens` tokens."""
@@ -144,17 +145,11 @@ class OnlineTrainer:
     def train_step(self) -> float:
         """One optimizer step on a random batch; returns its loss. Traffic has no last
         step to decay towards: the learning rate warms up, then stays."""
-        samples, views = self._batch(self._pick())
-        batch = collate(
-            samples, views, list(range(len(samples))), self.target.lm_head.weight.device
-        )
         warm = min(1.0, (self.steps + 1) / self.options.warmup_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = self.options.lr * warm
         roots = Roots(self.options.root_fraction, self._generator)
-        result = unrolled_loss(
-            self.head, self.target, batch, self.options.ttt_steps, self._draft_ids(self.head), roots
-        )
+        result = self._loss(self.head, self._pick(), roots)
         self.optimizer.zero_grad(set_to_none=True)
         result.loss.backward()
         torch.nn.utils.clip_grad_norm_(self.head.parameters(), 0.5)
@@ -174,12 +169,7 @@ class OnlineTrainer:
         head.eval()
         corrects, valids = [], []
         for start in range(0, len(examples), 8):
-            samples, views = self._batch(examples[start : start + 8])
-            device = self.target.lm_head.weight.device
-            batch = collate(samples, views, list(range(len(samples))), device)
-            r = unrolled_loss(
-                head, self.target, batch, self.options.ttt_steps, self._draft_ids(head), Roots()
-            )
+            r = self._loss(head, examples[start : start + 8], Roots())
             corrects.append(r.correct)
             valids.append(r.valid)
         head.train(training)

@@ -418,7 +418,7 @@ def kept_vocab(
     if init is None:
         return None
     if isinstance(init, EagleHead) and init.eagle3:
-        return (init.d2t + torch.arange(len(init.d2t), device=init.d2t.device)).cpu()
+        return init.draft_ids.cpu()
     hot = Path(cfg.init) / HOT_TOKENS
     return load_token_map(str(hot), vocab) if hot.is_file() else None
 
