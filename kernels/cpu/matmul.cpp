@@ -33,7 +33,8 @@ struct Target {
 };
 
 // Always inlined: a call per tile row cost ~5% of a long prefill.
-__attribute__((always_inline)) inline void store_row(__m256 lo, __m256 hi, const Target& t, int64_t r) {
+__attribute__((always_inline)) inline void store_row(__m256 lo, __m256 hi, const Target& t,
+                                                     int64_t r) {
   float* y = t.y + r * t.ld;
   const float* res = t.residual ? t.residual + r * t.ld : nullptr;
   if (t.cols == COLS) {
