@@ -76,22 +76,25 @@ struct PackedKV {
         float *kt = k + job * tile_floats, *vt = v + job * tile_floats;
         const int64_t head = job / n, first = (job % n) * KEYS;
         const int64_t count = std::min(KEYS, keys - first);
-        const auto key = [&](int64_t c) { return kc + ctx[first + c] * stride + head * dim; };
+        // key c's row of this head in cache `kc` or `vc`
+        const auto row = [&](const float* cache, int64_t c) {
+          return cache + ctx[first + c] * stride + head * dim;
+        };
         int64_t c = 0;
         for (; c + 8 <= count && dim % 8 == 0; c += 8)  // K by 8 x 8 transposes
           for (int64_t d = 0; d < dim; d += 8) {
             __m256 r[8];
-            for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(key(c + i) + d);
+            for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(row(kc, c + i) + d);
             transpose8(r);
             float* kb = kt + (c / COLS) * dim * COLS + d * COLS + c % COLS;
             for (int i = 0; i < 8; ++i) _mm256_store_ps(kb + i * COLS, r[i]);
           }
         for (; c < count; ++c) {
           float* kb = kt + (c / COLS) * dim * COLS + c % COLS;
-          for (int64_t d = 0; d < dim; ++d) kb[d * COLS] = key(c)[d];
+          for (int64_t d = 0; d < dim; ++d) kb[d * COLS] = row(kc, c)[d];
         }
         for (int64_t c = 0; c < count; ++c) {
-          const float* vr = vc + ctx[first + c] * stride + head * dim;
+          const float* vr = row(vc, c);
           float* vb = vt + c * COLS;
           int64_t d = 0;
           for (; d + 8 <= dim; d += 8)
