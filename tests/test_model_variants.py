@@ -298,9 +298,17 @@ def test_batch_of_sequences_at_different_stages(fused: bool, tmp_path: Path) -> 
     assert_close(logits, ref, "mixed batch")
 
 
-def test_fused_decoder_matches_torch_path_on_trees_and_aux_layers(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("logit_rows", "aux_layers"),
+    [(list(range(8)), (2, 0)), ([0, 1, 2, 3, 4, 7], (1,))],
+    ids=["all-rows", "last-row-of-extend"],
+)
+def test_fused_decoder_matches_torch_path_on_trees_and_aux_layers(
+    logit_rows: list[int], aux_layers: tuple[int, ...], tmp_path: Path
+) -> None:
     """One step mixing a decode, a draft tree (custom mask) and a causal extend: the fused
-    kernel's logits, aux layers (in the order asked) and cache writes equal the torch path's."""
+    kernel's logits, aux layers (in the order asked) and cache writes equal the torch path's,
+    also where the extend's first rows want no logits (the last layer skips them)."""
     _, path = build_hf(VARIANTS["llama-sharded"], tmp_path / "m", seed=4)  # 3 layers
     runner = new_runner(path)
     gen = torch.Generator().manual_seed(3)
@@ -314,11 +322,11 @@ def test_fused_decoder_matches_torch_path_on_trees_and_aux_layers(tmp_path: Path
     ids = torch.randint(3, VOCAB, (8,), generator=gen).tolist()
     positions = [9, 9, 10, 10, 11, 0, 1, 2]
     cache = runner.kv_cache.storage.clone()
-    fused = runner.forward(spans, ids, positions, list(range(8)), aux_layers=(2, 0))
+    fused = runner.forward(spans, ids, positions, logit_rows, aux_layers)
     fused_cache = runner.kv_cache.storage.clone()
     runner.kv_cache.storage.copy_(cache)
     runner.fused = None
-    plain = runner.forward(spans, ids, positions, list(range(8)), aux_layers=(2, 0))
+    plain = runner.forward(spans, ids, positions, logit_rows, aux_layers)
     assert_close(fused[0], plain[0], "logits")
     for i, (ours, ref) in enumerate(zip(fused[1], plain[1], strict=True)):
         assert_close(ours, ref, f"aux {i}")
@@ -352,8 +360,9 @@ def test_tiled_causal_attention_matches_sdpa(
 
 def test_fused_prefill_in_chunks_matches_torch_path(tmp_path: Path) -> None:
     """A 300-token prompt prefilled in two chunks (the second over 130 cached tokens, past
-    several key tiles and query blocks) through the fused decoder: logits at every position
-    and the cache it wrote equal the torch path's."""
+    several key tiles and query blocks) through the fused decoder: the cache it wrote and
+    the second chunk's logits at every position equal the torch path's (the first chunk,
+    as the engine's, wants no logits)."""
     _, path = build_hf(VARIANTS["llama-sharded"], tmp_path / "m", seed=6)
     model = load_model(path, CPU, torch.float32)
     runner = ModelRunner(model, KVCache(model.config, 80, BLOCK_SIZE, CPU, torch.float32))
@@ -369,7 +378,7 @@ def test_fused_prefill_in_chunks_matches_torch_path(tmp_path: Path) -> None:
                     [SequenceSpan(table, start, end - start)],
                     ids[start:end],
                     list(range(start, end)),
-                    list(range(end - start)),
+                    list(range(end - start)) if end == 300 else [],
                 )[0]
                 for start, end in ((0, 130), (130, 300))
             ]

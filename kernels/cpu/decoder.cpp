@@ -8,6 +8,7 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -87,10 +88,12 @@ class Decoder {
   }
 
   // x [rows, hidden] embedded tokens; cos/sin [rows, head_dim] at their positions;
-  // slot_mapping [rows] cache slot of each row. Returns the final-normed hidden states
-  // followed by the residual stream after each layer in `aux_layers`, in that order.
+  // slot_mapping [rows] cache slot of each row. Returns the final-normed hidden states at
+  // `out_rows` followed by the residual stream after each layer in `aux_layers` (all rows),
+  // in that order.
   std::vector<Tensor> forward(Tensor x, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor spans,
-                              Tensor slots, Tensor masks, std::vector<int64_t> aux_layers) {
+                              Tensor slots, Tensor masks, std::vector<int64_t> aux_layers,
+                              Tensor out_rows) {
     const int64_t rows = x.size(0);
     const int64_t q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
     const int64_t qkv_size = q_size + 2 * kv_size;
@@ -99,13 +102,16 @@ class Decoder {
     Tensor normed = torch::empty({rows, hidden_}, opts), attn = torch::empty({rows, q_size}, opts);
     const int64_t inter = layers_.at(0).down.size(1);
     Tensor act = torch::empty({rows, inter}, opts);
-    float* ap = act.data_ptr<float>();
     const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
     const int64_t* slot_of_row = slot_mapping.data_ptr<int64_t>();
     Spans s{spans.data_ptr<int64_t>(), spans.size(0), slots.data_ptr<int64_t>(),
             masks.numel() ? masks.data_ptr<bool>() : nullptr};
+    // Every row's K and V are written at every layer, but past them the last layer is
+    // needed only at the rows returned, unless its output is captured for all rows.
+    const int64_t last = static_cast<int64_t>(layers_.size()) - 1;
+    const bool trim = std::find(aux_layers.begin(), aux_layers.end(), last) == aux_layers.end();
     std::vector<Tensor> out(1 + aux_layers.size());
-    for (size_t i = 0; i < layers_.size(); ++i) {
+    for (int64_t i = 0; i <= last; ++i) {
       const Layer& l = layers_[i];
       rms_norm(h.data_ptr<float>(), l.input_norm.data_ptr<float>(), eps_, rows, hidden_,
                normed.data_ptr<float>());
@@ -122,27 +128,72 @@ class Decoder {
           std::copy(row + q_size + kv_size, row + qkv_size, vc + slot_of_row[r] * kv_size);
         }
       });
-      attention(qp, qkv_size, kc, vc, s, attn.data_ptr<float>());
-      h = blocked_linear(attn, l.o, hidden_, l.o_bias, h);
-      rms_norm(h.data_ptr<float>(), l.post_norm.data_ptr<float>(), eps_, rows, hidden_,
-               normed.data_ptr<float>());
-      Tensor gate_up = blocked_linear(normed, l.gate_up, 2 * inter, l.gate_up_bias, std::nullopt);
-      const float* gp = gate_up.data_ptr<float>();
-      parallel_jobs(rows, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r)
-          silu_mul(gp + r * 2 * inter, gp + r * 2 * inter + inter, inter, ap + r * inter);
-      });
-      h = blocked_linear(act, l.down, hidden_, l.down_bias, h);
+      if (trim && i == last) {
+        const std::vector<int64_t> table = kept_spans(s, out_rows, rows);
+        const Spans kept{table.data(), static_cast<int64_t>(table.size()) / 5, s.slots, s.masks};
+        attention(qp, qkv_size, kc, vc, kept, attn.data_ptr<float>());
+        h = finish_layer(l, attn.index_select(0, out_rows), h.index_select(0, out_rows),
+                         normed, act);
+      } else {
+        attention(qp, qkv_size, kc, vc, s, attn.data_ptr<float>());
+        h = finish_layer(l, attn, h, normed, act);
+      }
       for (size_t a = 0; a < aux_layers.size(); ++a)
-        if (aux_layers[a] == static_cast<int64_t>(i)) out[1 + a] = h;
+        if (aux_layers[a] == i) out[1 + a] = h;
     }
-    rms_norm(h.data_ptr<float>(), norm_.data_ptr<float>(), eps_, rows, hidden_,
-             normed.data_ptr<float>());
-    out[0] = normed;
+    if (!trim) h = h.index_select(0, out_rows);
+    Tensor final_normed = torch::empty({h.size(0), hidden_}, opts);
+    rms_norm(h.data_ptr<float>(), norm_.data_ptr<float>(), eps_, h.size(0), hidden_,
+             final_normed.data_ptr<float>());
+    out[0] = final_normed;
     return out;
   }
 
  private:
+  // A layer past its attention, at attn's rows: o_proj onto the residual h, then the MLP.
+  // normed, act: scratch of at least as many rows.
+  Tensor finish_layer(const Layer& l, const Tensor& attn, Tensor h, Tensor& normed,
+                      Tensor& act) const {
+    const int64_t rows = h.size(0), inter = act.size(1);
+    h = blocked_linear(attn, l.o, hidden_, l.o_bias, h);
+    Tensor n = normed.narrow(0, 0, rows), a = act.narrow(0, 0, rows);
+    rms_norm(h.data_ptr<float>(), l.post_norm.data_ptr<float>(), eps_, rows, hidden_,
+             n.data_ptr<float>());
+    Tensor gate_up = blocked_linear(n, l.gate_up, 2 * inter, l.gate_up_bias, std::nullopt);
+    const float* gp = gate_up.data_ptr<float>();
+    float* ap = a.data_ptr<float>();
+    parallel_jobs(rows, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        silu_mul(gp + r * 2 * inter, gp + r * 2 * inter + inter, inter, ap + r * inter);
+    });
+    return blocked_linear(a, l.down, hidden_, l.down_bias, h);
+  }
+
+  // The spans attention needs for the `keep` rows only: a causal span with rows not kept
+  // becomes a span of one row per kept row (seeing its context up to that row); the
+  // others stay whole. Rows as in Spans' table.
+  static std::vector<int64_t> kept_spans(const Spans& s, const Tensor& keep, int64_t rows) {
+    std::vector<char> kept(rows, 0);
+    const int64_t* kp = keep.data_ptr<int64_t>();
+    for (int64_t k = 0; k < keep.numel(); ++k) {
+      TORCH_CHECK(kp[k] >= 0 && kp[k] < rows, "out_rows: row ", kp[k], " of ", rows);
+      kept[kp[k]] = 1;
+    }
+    std::vector<int64_t> table;
+    for (int64_t i = 0; i < s.count; ++i) {
+      const int64_t* span = s.table + i * 5;
+      const int64_t first = span[0], num_new = span[1];
+      const auto count = std::count(kept.begin() + first, kept.begin() + first + num_new, 1);
+      if (span[4] >= 0 || count == num_new) {
+        table.insert(table.end(), span, span + 5);
+        continue;
+      }
+      for (int64_t r = first; r < first + num_new; ++r)
+        if (kept[r]) table.insert(table.end(), {r, 1, span[2] + r - first, span[3], -1});
+    }
+    return table;
+  }
+
   // Softmax attention of each query head over its span's visible context, reading K and V
   // in place from the paged caches. q rows have stride `ld`; out is [rows, heads * dim].
   // Causal spans of many rows (prefill chunks) take the tiled kernel; the others (decode

@@ -72,9 +72,11 @@ class FusedDecoder:
         positions: torch.Tensor,
         spans: list[SequenceSpan],
         block_size: int,
+        out_rows: torch.Tensor,
         aux_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """As `LlamaForCausalLM.forward`."""
+        """As `LlamaForCausalLM.forward`, but the final hidden states only at `out_rows`
+        ([R] row indices): the last layer skips the other rows past their K and V."""
         table, slots, new_slots, masks = [], [], [], []
         row = slot_offset = mask_offset = 0
         for span in spans:
@@ -103,5 +105,6 @@ class FusedDecoder:
             torch.cat(slots),
             torch.cat(masks) if masks else torch.empty(0, dtype=torch.bool),
             list(aux_layers),
+            out_rows,
         )
         return out[0], out[1:]

@@ -81,12 +81,14 @@ class ModelRunner:
         Returns logits at `logit_rows` and the aux-layer hidden states of all rows."""
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        out_rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         block_size = self.kv_cache.block_size
         out = None
         plain = embeds is None  # only the model's torch path takes embeddings in
         if plain and self.fused is not None:
-            out = self.fused.forward(ids, pos, spans, block_size, aux_layers)
-        elif plain and self.graphs is not None:
+            hidden, aux = self.fused.forward(ids, pos, spans, block_size, out_rows, aux_layers)
+            return self.model.compute_logits(hidden), aux
+        if plain and self.graphs is not None:
             out = self.graphs.run(spans, ids, pos, aux_layers)  # None: not a decode step
         if out is None:
             meta = self.model.attention_backend.prepare(spans, block_size, self.device)
@@ -97,8 +99,7 @@ class ModelRunner:
                 rows, blocks = zip(*linear.chain_slots, strict=True)
                 self.kv_cache.write_states(linear.kept, list(rows), list(blocks))
         hidden, aux = out
-        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows]), aux
+        return self.model.compute_logits(hidden[out_rows]), aux
 
     def verify_seconds(self, block_table: list[int], context: int, most: int) -> list[float]:
         """Seconds of a forward of one sequence's root and k drafts (a chain) over `context`
