@@ -127,6 +127,32 @@ def self_distill(
     bar.close()
 
 
+# How users' requests commonly begin. The bare turn ("") alone favours the few kinds of
+# request the model most expects (help with a project, "Can you explain"); starting each
+# request with one of these spreads self-written prompts over questions, explanations,
+# writing and advice, as chat traffic is.
+REQUEST_OPENINGS = (
+    "",
+    "How do",
+    "How does",
+    "How can I",
+    "What is",
+    "What are",
+    "What should I",
+    "Why do",
+    "Why is",
+    "Explain",
+    "Describe",
+    "Write a",
+    "Write a short",
+    "Give me",
+    "Tell me about",
+    "Suggest",
+    "Compare",
+    "List",
+)
+
+
 def self_written_prompts(
     engine: LLMEngine,
     tokenizer: Tokenizer,
@@ -134,16 +160,17 @@ def self_written_prompts(
     exclude: list[str],
     out: Path,
     seed: int = 0,
-    temperature: float = 1.0,
+    temperature: float = 0.8,
     batch: int = 256,
 ) -> list[str]:
-    """`count` user requests the target writes itself when given only the chat template's
+    """`count` user requests the target writes itself when given the chat template's
     opening up to the user turn (Magpie, Xu et al. 2024): an instruction-tuned model then
-    samples what its users ask. Kept: finished, mostly-ASCII requests of 3-80 words, each
-    once, none near a prompt of `exclude` (an evaluation set stays unseen). Each batch's
-    keepers are appended to `out` (JSONL, one line per batch), so a stopped run resumes."""
-    opening = tokenizer.apply_chat_template([{"role": "user", "content": "\x00"}])
-    prefix = tokenizer.encode(opening.split("\x00")[0])
+    samples what its users ask. The i-th request starts with `REQUEST_OPENINGS[i % n]`.
+    Kept: finished, mostly-ASCII requests of 3-80 words, each once, none near a prompt of
+    `exclude` (an evaluation set stays unseen). Each batch's keepers are appended to `out`
+    (JSONL, one line per batch), so a stopped run resumes."""
+    template = tokenizer.apply_chat_template([{"role": "user", "content": "\x00"}])
+    turn = template.split("\x00")[0]
     excluded = [_content_words(p) for p in exclude]
     done = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     kept = {" ".join(p.lower().split()): p for line in done for p in line["prompts"]}
@@ -152,13 +179,16 @@ def self_written_prompts(
     for first in range(len(done) * batch, 50 * count, batch):
         if len(kept) >= count:
             break
+        indices = range(first, first + batch)
         params = [
             SamplingParams(temperature=temperature, top_p=0.95, max_tokens=64, seed=seed + i)
-            for i in range(first, first + batch)
+            for i in indices
         ]
+        openings = [REQUEST_OPENINGS[i % len(REQUEST_OPENINGS)] for i in indices]
+        prefixes = [tokenizer.encode(turn + opening) for opening in openings]
         new: list[str] = []
-        for ids in engine.generate([prefix] * batch, params):
-            text = tokenizer.decode(ids[:-1]).strip()
+        for opening, ids in zip(openings, engine.generate(prefixes, params), strict=True):
+            text = (opening + tokenizer.decode(ids[:-1])).strip()
             words = _content_words(text)
             key = " ".join(text.lower().split())
             if (
