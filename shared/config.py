@@ -102,6 +102,9 @@ def resolve_kv_cache_dtype(
     return dtype
 
 
+# SGLang's --quantization names served here: "gguf" multiplies a GGUF's blocks as they are.
+QUANTIZATIONS = ("gguf",)
+
 T = TypeVar("T")
 
 

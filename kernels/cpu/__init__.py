@@ -1,8 +1,9 @@
-"""C++ CPU kernels (`matmul.cpp`: matmuls over column-blocked weights; `attention.cpp`:
-tiled causal attention for prefill; `decoder.cpp`: the fused decoder step; `pool.cpp`: the
-thread pool they run their jobs on), compiled on first use by torch's extension builder and
-cached under ~/.cache/torch_extensions. Without a compiler or AVX2 they are simply absent
-and the model runs its plain torch path."""
+"""C++ CPU kernels (`matmul.cpp`: matmuls over column-blocked weights; `quant.cpp`: matmuls
+over GGUF's quantized blocks; `attention.cpp`: tiled causal attention for prefill;
+`decoder.cpp`: the fused decoder step; `pool.cpp`: the thread pool they run their jobs on),
+compiled on first use by torch's extension builder and cached under
+~/.cache/torch_extensions. Without a compiler or AVX2 they are simply absent and the model
+runs its plain torch path."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("attention.cpp", "decoder.cpp", "matmul.cpp", "pool.cpp")
+SOURCES = ("attention.cpp", "decoder.cpp", "matmul.cpp", "pool.cpp", "quant.cpp")
 
 
 @functools.cache
@@ -29,7 +30,7 @@ def load() -> ModuleType | None:
         module = build(
             name="specmesh_cpu",
             sources=[str(Path(__file__).with_name(f)) for f in SOURCES],
-            extra_cflags=["-O3", "-mavx2", "-mfma"],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"],
         )
     except Exception as exc:  # no compiler, no headers: the torch path still works
         log.warning("CPU kernels unavailable, using the torch path: %s", exc)

@@ -15,6 +15,7 @@
 #include "attention.h"
 #include "matmul.h"
 #include "pool.h"
+#include "quant.h"
 #include "simd.h"
 
 namespace {
@@ -57,10 +58,22 @@ void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
 // Causal spans of at least this many new rows attend through attention.cpp's tiles.
 constexpr int64_t TILED_MIN_ROWS = 8;
 
-// Weights of one decoder layer (matmul weights from block_weight; biases may be empty
-// tensors) and its K/V caches.
+// One of a layer's matmuls: its weight in block_weight's column blocks (type 0) or in
+// quant_pack's layout of GGUF blocks (type: the GGML block type); bias may be empty.
+struct Matmul {
+  Tensor weight, bias;
+  int64_t type, n;  // n: output columns
+
+  Tensor operator()(const Tensor& x, const std::optional<Tensor>& residual) const {
+    return type ? quant_linear(x, weight, type, n, bias, residual)
+                : blocked_linear(x, weight, n, bias, residual);
+  }
+};
+
+// One decoder layer's weights and its K/V caches.
 struct Layer {
-  Tensor input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias;
+  Tensor input_norm, post_norm;
+  Matmul qkv, o, gate_up, down;
   Tensor k_cache, v_cache;  // [slots, kv_heads, head_dim]
 };
 
@@ -76,14 +89,22 @@ struct Spans {
 
 class Decoder {
  public:
-  // layers: per layer its 10 weights and 2 caches.
-  Decoder(std::vector<std::vector<Tensor>> layers, Tensor final_norm, double eps,
-          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim)
+  // layers: per layer its 10 weights (input norm, qkv and bias, o and bias, post norm,
+  // gate_up and bias, down and bias) and 2 caches; types: per layer its 4 matmuls' types.
+  Decoder(std::vector<std::vector<Tensor>> layers, std::vector<std::vector<int64_t>> types,
+          Tensor final_norm, double eps, int64_t num_heads, int64_t num_kv_heads,
+          int64_t head_dim, int64_t intermediate_size)
       : norm_(final_norm), eps_(eps), heads_(num_heads), kv_heads_(num_kv_heads),
-        dim_(head_dim), hidden_(final_norm.numel()) {
-    for (auto& l : layers) {
-      TORCH_CHECK(l.size() == 12, "a layer is 10 weights and 2 caches");
-      layers_.push_back({l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7], l[8], l[9], l[10], l[11]});
+        dim_(head_dim), hidden_(final_norm.numel()), inter_(intermediate_size) {
+    TORCH_CHECK(layers.size() == types.size(), "a matmul type list per layer");
+    const int64_t qkv_size = (heads_ + 2 * kv_heads_) * dim_;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const auto& l = layers[i];
+      const auto& t = types[i];
+      TORCH_CHECK(l.size() == 12 && t.size() == 4, "a layer is 10 weights, 2 caches, 4 types");
+      layers_.push_back({l[0], l[5], {l[1], l[2], t[0], qkv_size}, {l[3], l[4], t[1], hidden_},
+                         {l[6], l[7], t[2], 2 * inter_}, {l[8], l[9], t[3], hidden_}, l[10],
+                         l[11]});
     }
   }
 
@@ -100,8 +121,7 @@ class Decoder {
     auto opts = x.options();
     Tensor h = x.contiguous();
     Tensor normed = torch::empty({rows, hidden_}, opts), attn = torch::empty({rows, q_size}, opts);
-    const int64_t inter = layers_.at(0).down.size(1);
-    Tensor act = torch::empty({rows, inter}, opts);
+    Tensor act = torch::empty({rows, inter_}, opts);
     const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
     const int64_t* slot_of_row = slot_mapping.data_ptr<int64_t>();
     Spans s{spans.data_ptr<int64_t>(), spans.size(0), slots.data_ptr<int64_t>(),
@@ -115,7 +135,7 @@ class Decoder {
       const Layer& l = layers_[i];
       rms_norm(h.data_ptr<float>(), l.input_norm.data_ptr<float>(), eps_, rows, hidden_,
                normed.data_ptr<float>());
-      Tensor qkv = blocked_linear(normed, l.qkv, qkv_size, l.qkv_bias, std::nullopt);
+      Tensor qkv = l.qkv(normed, std::nullopt);
       float* qp = qkv.data_ptr<float>();
       float* kc = l.k_cache.data_ptr<float>();
       float* vc = l.v_cache.data_ptr<float>();
@@ -154,19 +174,19 @@ class Decoder {
   // normed, act: scratch of at least as many rows.
   Tensor finish_layer(const Layer& l, const Tensor& attn, Tensor h, Tensor& normed,
                       Tensor& act) const {
-    const int64_t rows = h.size(0), inter = act.size(1);
-    h = blocked_linear(attn, l.o, hidden_, l.o_bias, h);
+    const int64_t rows = h.size(0), inter = inter_;
+    h = l.o(attn, h);
     Tensor n = normed.narrow(0, 0, rows), a = act.narrow(0, 0, rows);
     rms_norm(h.data_ptr<float>(), l.post_norm.data_ptr<float>(), eps_, rows, hidden_,
              n.data_ptr<float>());
-    Tensor gate_up = blocked_linear(n, l.gate_up, 2 * inter, l.gate_up_bias, std::nullopt);
+    Tensor gate_up = l.gate_up(n, std::nullopt);
     const float* gp = gate_up.data_ptr<float>();
     float* ap = a.data_ptr<float>();
     parallel_jobs(rows, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         silu_mul(gp + r * 2 * inter, gp + r * 2 * inter + inter, inter, ap + r * inter);
     });
-    return blocked_linear(a, l.down, hidden_, l.down_bias, h);
+    return l.down(a, h);
   }
 
   // The spans attention needs for the `keep` rows only: a causal span with rows not kept
@@ -247,7 +267,7 @@ class Decoder {
   std::vector<Layer> layers_;
   Tensor norm_;
   float eps_;
-  int64_t heads_, kv_heads_, dim_, hidden_;
+  int64_t heads_, kv_heads_, dim_, hidden_, inter_;
 };
 
 // attention.h's causal_attention over tensors: q [num_new, heads, dim], caches [slots,
@@ -272,13 +292,17 @@ Tensor causal_attention_op(Tensor q, Tensor k_cache, Tensor v_cache, Tensor ctx,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Decoder>(m, "Decoder")
-      .def(pybind11::init<std::vector<std::vector<Tensor>>, Tensor, double, int64_t, int64_t,
-                          int64_t>())
+      .def(pybind11::init<std::vector<std::vector<Tensor>>, std::vector<std::vector<int64_t>>,
+                          Tensor, double, int64_t, int64_t, int64_t, int64_t>())
       .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("block_weight", &block_weight);
   m.def("causal_attention", &causal_attention_op,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("blocked_linear", &blocked_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("quant_linear", &quant_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("quant_pack", &quant_pack);
+  m.def("quant_dequantize", &quant_dequantize);
+  m.def("quant_block_bytes", &quant_block_bytes);
   m.def("set_num_threads", &set_num_threads);
   m.def("get_num_threads", &get_num_threads);
 }

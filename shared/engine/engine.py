@@ -14,6 +14,7 @@ import torch
 
 from shared.config import (
     KV_CACHE_DTYPES,
+    QUANTIZATIONS,
     device_option,
     dtype_option,
     model_option,
@@ -69,6 +70,12 @@ class EngineConfig:
         "K/V storage dtype: auto (the model's), bf16, float16, fp8_e4m3, fp8_e5m2 (fp8 with "
         "scale 1.0, saturating); attention reads it back in the model's dtype",
         choices=KV_CACHE_DTYPES,
+    )
+    quantization: str | None = option(
+        None,
+        "gguf: multiply the GGUF's quantized blocks (Q8_0, Q4_0, Q4_1) as the file holds "
+        "them, on CPU, instead of expanding them to fp32 (default: full precision)",
+        choices=QUANTIZATIONS,
     )
     max_num_seqs: int = option(
         64, "most sequences running at once", aliases=("--max-running-requests",)
@@ -220,7 +227,7 @@ class LLMEngine:
                 f"--kv-cache-dtype {cfg.kv_cache_dtype} needs --attention-backend torch: the "
                 f"{cfg.attention_backend} backend reads K/V in the model's dtype"
             )
-        self.model = load_model(cfg.model, device, dtype, cfg.attention_backend)
+        self.model = load_model(cfg.model, device, dtype, cfg.attention_backend, cfg.quantization)
         mcfg = self.model.config
         self.kv_cache = _kv_cache(cfg, mcfg, device, kv_dtype, free_at_start)
         self.max_model_len = min(

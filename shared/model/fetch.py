@@ -25,9 +25,15 @@ from tokenizers import pre_tokenizers
 from tqdm import tqdm
 
 from shared.config import DEFAULT_MODEL_WHEEL, cache_dir, default_model_dir
-from shared.model.gguf_loader import load_gguf, metadata
+from shared.model.gguf_loader import SOURCE_GGUF, load_gguf, metadata
 
-REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+REQUIRED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    SOURCE_GGUF,
+)
 
 _HINT = "Or point --model at a local Hugging Face model directory (config.json + *.safetensors)."
 
@@ -98,6 +104,7 @@ def convert_gguf(
         )
         pre_tokenizer = metadata(reader, "tokenizer.ggml.pre")
         _save_tokenizer(gguf_path, staging, pre_tokenizer, config["max_position_embeddings"])
+        _keep_source(gguf_path, staging / SOURCE_GGUF)
         if is_complete(dest):  # a concurrent fetch finished first
             return dest
         # mkdtemp and safetensors create owner-only modes; the cache is shared like any other.
@@ -114,6 +121,15 @@ def convert_gguf(
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already once renamed
     return dest
+
+
+def _keep_source(gguf_path: Path, dest: Path) -> None:
+    """The GGUF beside its conversion (`--quantization gguf` serves its blocks): a hard link
+    where both are on one file system, else a copy."""
+    try:
+        os.link(gguf_path, dest)
+    except OSError:
+        shutil.copyfile(gguf_path, dest)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

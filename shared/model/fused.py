@@ -13,11 +13,15 @@ from shared.model.layers import Linear
 from shared.model.llama import LlamaForCausalLM
 
 
+def _linears(layer: nn.Module) -> tuple[Linear, ...]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
 def _weights(layer: nn.Module) -> list[torch.Tensor]:
     """The 10 tensors decoder.cpp reads per layer (packed matmul weights; an absent bias
     is an empty tensor)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    linears = _linears(layer)
     none = torch.empty(0)
     qkv, o, gate_up, down = ((m.packed, none if m.bias is None else m.bias) for m in linears)
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
@@ -38,11 +42,13 @@ class FusedDecoder:
         self.model = model
         self.decoder = kernel.Decoder(
             layers,
+            [[m.block_type for m in _linears(layer)] for layer in model.layers],
             model.norm.weight.detach(),
             cfg.rms_norm_eps,
             cfg.num_heads,
             cfg.num_kv_heads,
             cfg.head_dim,
+            cfg.intermediate_size,
         )
 
     @classmethod

@@ -16,6 +16,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+# What a model directory converted from a GGUF keeps the file as (quantized serving reads it).
+SOURCE_GGUF = "model.gguf"
+
 # GGUF architecture -> (HF architecture, HF model_type, Q/K rows permuted by llama.cpp).
 # convert_hf_to_gguf permutes Q/K for llama-arch files only (its rotary kernel
 # rotates adjacent pairs, HF rotates halves); qwen2 files keep the HF order.
@@ -77,6 +80,57 @@ def load_gguf(
         state[_hf_name(tensor.name)] = torch.from_numpy(weight)
 
     return _config(reader, arch, state, rope_freqs), state
+
+
+_FLOAT_TYPES = (
+    gguf.GGMLQuantizationType.F32,
+    gguf.GGMLQuantizationType.F16,
+    gguf.GGMLQuantizationType.BF16,
+)
+# GGUF block types the CPU kernels multiply as they are (kernels/cpu/quant.cpp).
+SERVED_BLOCK_TYPES = (
+    gguf.GGMLQuantizationType.Q8_0,
+    gguf.GGMLQuantizationType.Q4_0,
+    gguf.GGMLQuantizationType.Q4_1,
+)
+
+
+def quantized_weights(
+    reader: gguf.GGUFReader,
+) -> dict[str, tuple[torch.Tensor, gguf.GGMLQuantizationType]]:
+    """Hugging Face name -> (blocks as uint8 [rows, row bytes], block type) of every
+    quantized matrix of the file, its rows in load_gguf's order (rows permuted by llama.cpp
+    are put back: each row is whole blocks). A block type not served is an error."""
+    arch = metadata(reader, "general.architecture")
+    heads = metadata(reader, f"{arch}.attention.head_count")
+    kv_heads = metadata(reader, f"{arch}.attention.head_count_kv", heads)
+    permuted = _ARCHS[arch][2] if arch in _ARCHS else False
+    blocks = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type in _FLOAT_TYPES:
+            continue
+        if tensor.tensor_type not in SERVED_BLOCK_TYPES:
+            served = ", ".join(t.name for t in SERVED_BLOCK_TYPES)
+            raise ValueError(
+                f"GGUF tensor {tensor.name} is {tensor.tensor_type.name}, a block type not "
+                f"served as it is (served: {served}); serve the file expanded to fp32 instead"
+            )
+        rows = np.array(tensor.data, np.uint8)
+        if not np.isfinite(_block_scales(rows, tensor.tensor_type)).all():
+            raise ValueError(f"GGUF tensor {tensor.name} has non-finite scales: a corrupt file")
+        if permuted and ".attn_q." in tensor.name:
+            rows = _unpermute(rows, heads)
+        elif permuted and ".attn_k." in tensor.name:
+            rows = _unpermute(rows, kv_heads)
+        blocks[_hf_name(tensor.name)] = (torch.from_numpy(rows), tensor.tensor_type)
+    return blocks
+
+
+def _block_scales(rows: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
+    """The fp16 scale d (and Q4_1's offset m) that begin each block of a served type."""
+    _, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    count = 2 if kind == gguf.GGMLQuantizationType.Q4_1 else 1
+    return rows.reshape(-1, block_bytes)[:, : 2 * count].copy().view(np.float16)
 
 
 def metadata(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:

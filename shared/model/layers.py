@@ -12,30 +12,50 @@ from shared.model.config import ModelConfig
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, once packed for inference, multiplies through the CPU kernel's
-    column-blocked weight (kernels/cpu/matmul.cpp)."""
+    """nn.Linear that, once packed for inference, multiplies through the CPU kernels: its
+    weight in column blocks (kernels/cpu/matmul.cpp) or, given the blocks of a GGUF
+    (`gguf_blocks`), those blocks, never expanded (kernels/cpu/quant.cpp)."""
 
     packed: torch.Tensor | None = None
+    block_type = 0  # of `packed`: 0 for fp32 column blocks, else a GGML block type
+    # (uint8 [out_features, row bytes] as the GGUF holds them, GGML block type): set by
+    # the loader to multiply these instead of the weight
+    gguf_blocks: tuple[torch.Tensor, int] | None = None
 
     def pack(self, keep_weight: bool) -> None:
-        """Inference only (the packed path has no autograd). fp32 on CPU, where it is measured."""
+        """Inference only (the packed path has no autograd): GGUF blocks, or the weight in
+        fp32 on CPU, where it is measured."""
         weight = self.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        if self.gguf_blocks is not None:
+            self._pack_gguf_blocks()
+        elif weight.device.type != "cpu" or weight.dtype != torch.float32:
             return
-        kernel = load_cpu_kernels()
-        if kernel is None:
+        elif (kernel := load_cpu_kernels()) is not None:
+            self.packed = kernel.block_weight(weight.detach())
+        else:
             return
-        self.packed = kernel.block_weight(weight.detach())
         if not keep_weight:
             self.weight = None
+
+    def _pack_gguf_blocks(self) -> None:
+        kernel = load_cpu_kernels()
+        if kernel is None:
+            raise RuntimeError("GGUF blocks are multiplied by the CPU kernels: none built here")
+        blocks, self.block_type = self.gguf_blocks
+        self.packed = kernel.quant_pack(blocks, self.block_type)
+        self.gguf_blocks = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         bias = torch.empty(0) if self.bias is None else self.bias
         rows = x.reshape(-1, self.in_features).contiguous()
-        y = load_cpu_kernels().blocked_linear(rows, self.packed, self.out_features, bias, None)
-        return y.view(*x.shape[:-1], self.out_features)
+        kernel, n = load_cpu_kernels(), self.out_features
+        if self.block_type:
+            y = kernel.quant_linear(rows, self.packed, self.block_type, n, bias, None)
+        else:
+            y = kernel.blocked_linear(rows, self.packed, n, bias, None)
+        return y.view(*x.shape[:-1], n)
 
 
 def pack_linears(model: nn.Module) -> None:

@@ -7,12 +7,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import gguf
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shared.model.attention import get_attention_backend
 from shared.model.config import OFFSET_NORM_ARCHITECTURES, ModelConfig
+from shared.model.gguf_loader import SOURCE_GGUF, load_gguf, quantized_weights
+from shared.model.layers import Linear
 from shared.model.llama import LlamaForCausalLM
 from shared.model.mistral3 import Mistral3Vision
 from shared.model.mistral3 import parameter_name as mistral3_parameter_name
@@ -34,8 +37,6 @@ def _safetensors_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _read_checkpoint(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
     if path.suffix == ".gguf":
-        from shared.model.gguf_loader import load_gguf
-
         hf_config, state = load_gguf(path)
         return ModelConfig.from_hf(hf_config), iter(state.items())
     if not (path / "config.json").exists():
@@ -201,7 +202,11 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     attention_backend: str = "torch",
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
+    """`quantization` "gguf": the Linears multiply the GGUF's blocks as the file holds them
+    (`path` a .gguf file, or a directory converted from one, which keeps it)."""
+    blocks = _gguf_blocks(Path(path), quantization, device, dtype) if quantization else {}
     cfg, tensors = _read_checkpoint(Path(path))
     backend = get_attention_backend(attention_backend, cfg, device, dtype)  # on the real device
     with torch.device("meta"):
@@ -231,7 +236,52 @@ def load_model(
     if missing:
         more = " ..." if len(missing) > 5 else ""
         raise ValueError(f"checkpoint lacks weights for {missing[:5]}{more}")
+    if blocks:
+        use_gguf_blocks(model, blocks)
     return model.eval()
+
+
+GgufBlocks = dict[str, tuple[torch.Tensor, gguf.GGMLQuantizationType]]
+
+
+def _gguf_blocks(
+    path: Path, quantization: str, device: torch.device, dtype: torch.dtype
+) -> GgufBlocks:
+    """The quantized matrices `--quantization` serves, checked before anything loads: from
+    `path` itself (a .gguf) or the GGUF its conversion kept."""
+    if quantization != "gguf":
+        raise ValueError(f"unknown --quantization {quantization!r} (served: gguf)")
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(
+            f"--quantization gguf runs on CPU with fp32 activations (kernels/cpu/quant.cpp), "
+            f"not on {device} in {dtype}"
+        )
+    source = path if path.suffix == ".gguf" else path / SOURCE_GGUF
+    if not source.is_file():
+        raise ValueError(
+            f"--quantization gguf multiplies a GGUF's blocks, and {path} holds no "
+            f"{SOURCE_GGUF}: pass --model FILE.gguf"
+        )
+    return quantized_weights(gguf.GGUFReader(source))
+
+
+def use_gguf_blocks(model: LlamaForCausalLM, blocks: GgufBlocks) -> None:
+    """Give every Linear whose checkpoint weights the GGUF stores quantized (all parts of a
+    fused one in one block type) those blocks, which it multiplies once packed; the others
+    keep their weights."""
+    cfg, fused = model.config, fused_slices(model.config)
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        tied = name == "lm_head" and cfg.tie_word_embeddings
+        param = "embed_tokens.weight" if tied else f"{name}.weight"
+        names = [
+            c if c.startswith("lm_head") else f"model.{c}" for c in checkpoint_names(param, fused)
+        ]
+        parts = [blocks.get(n) for n in names]
+        if None in parts or len({kind for _, kind in parts}) > 1:
+            continue
+        module.gguf_blocks = (torch.cat([rows for rows, _ in parts]), int(parts[0][1]))
 
 
 def save_model(model: LlamaForCausalLM, path: Path, hf_config: dict[str, Any]) -> None:
