@@ -1,11 +1,12 @@
 """The base step against the machine's limit, side by side in one run.
 
     python benchmarks/bench_step.py [--model DIR] [--runs 7] [--context 300]
-        [--new-tokens 32] [--services]
+        [--new-tokens 32] [--services] [--quantization gguf]
 
 Prints, each a median over `--runs` interleaved rounds:
-- the memory-read floor: the bytes of weights a decode step must read, over the
-  read bandwidth a plain sum over a 512 MB buffer reaches in this process;
+- the memory-read floor: the bytes of weights a decode step must read (as the kernels
+  hold them: fp32 column blocks, or with `--quantization gguf` the file's blocks), over
+  the read bandwidth a plain sum over a 512 MB buffer reaches in this process;
 - our forward step at batch 1, 8 and 32 (one new token per sequence over
   `--context` cached tokens), and its ratio to the floor; beside it the same step
   through the model's torch path (what runs where the fused CPU kernel is unavailable);
@@ -66,11 +67,10 @@ def seconds(fn: Callable[[], object], repeat: int = 5) -> float:
 
 
 def step_read_bytes(model: LlamaForCausalLM) -> int:
-    """Bytes a decode step must stream: every matmul weight once (the embedding lookup
-    reads a row; a tied LM head is counted as the matmul it is)."""
+    """Bytes a decode step must stream: every matmul weight once, as its kernel holds it
+    (the embedding lookup reads a row; a tied LM head is counted as the matmul it is)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    size = model.embed_tokens.weight.element_size()
-    return size * sum(m.in_features * m.out_features for m in linears)
+    return sum((m.weight if m.packed is None else m.packed).nbytes for m in linears)
 
 
 class StepProbe:
@@ -144,12 +144,15 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--services", action="store_true")
+    parser.add_argument("--quantization", default=None, help="gguf: the engine on its blocks")
     args = parser.parse_args()
     model_dir = args.model or str(fetch_default_model())
 
     from transformers import AutoModelForCausalLM
 
-    engine = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=max(BATCHES)))
+    engine = LLMEngine(
+        EngineConfig(model=model_dir, max_num_seqs=max(BATCHES), quantization=args.quantization)
+    )
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tok = Tokenizer(model_dir)
     chat = [tok.encode_chat([{"role": "user", "content": p}]) for p in CHAT]
