@@ -196,3 +196,75 @@ void causal_attention(const float* q, int64_t ld, const float* k_cache, const fl
     }
   });
 }
+
+namespace {
+
+// Dots of q with 8 rows (dim a multiple of 8) in one register: 8 independent FMA chains,
+// then their lanes summed by a transpose of adds (lane t: row t).
+__m256 dot8(const float* q, const float* const rows[8], int64_t dim) {
+  __m256 acc[8];
+  for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 8) {
+    const __m256 qd = _mm256_loadu_ps(q + d);
+    for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(rows[t] + d), acc[t]);
+  }
+  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  // low: [rows 0-3, dims of the low 128 bits | the high 128 bits], high: rows 4-7
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                       _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+// out[0 .. 8R) = inv sum_j p[j] v_j[0 .. 8R), the sums held in R registers.
+template <int R>
+void weighted_rows(const float* p, float inv, const float* v_cache, const int64_t* ctx,
+                   int64_t visible, int64_t stride, int64_t offset, float* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < visible; ++j) {
+    if (p[j] == 0.f) continue;  // masked (exp of -inf), or too small to count
+    const float* v = v_cache + ctx[j] * stride + offset;
+    const __m256 w = _mm256_set1_ps(p[j]);
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * r), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + 8 * r, _mm256_mul_ps(acc[r], _mm256_set1_ps(inv)));
+}
+
+}  // namespace
+
+void row_attention(const float* q, float scale, const float* k_cache, const float* v_cache,
+                   const int64_t* ctx, int64_t visible, int64_t cached, const bool* mask,
+                   int64_t stride, int64_t kv_off, int64_t dim, float* p, float* out) {
+  // scores, 8 keys at a time (the last 8 padded with the last key, then cut)
+  const __m256 scaling = _mm256_set1_ps(scale);
+  for (int64_t j = 0; j < visible; j += 8) {
+    const float* rows[8];
+    for (int t = 0; t < 8; ++t)
+      rows[t] = k_cache + ctx[std::min(j + t, visible - 1)] * stride + kv_off;
+    const __m256 s = _mm256_mul_ps(dot8(q, rows, dim), scaling);
+    _mm256_storeu_ps(p + j, s);
+  }
+  if (mask)
+    for (int64_t j = cached; j < visible; ++j)
+      if (!mask[j - cached]) p[j] = -INFINITY;
+  const int64_t padded = round_up(visible, 8);
+  std::fill(p + visible, p + padded, -INFINITY);
+  __m256 top = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < padded; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(p + j));
+  const __m256 shift = _mm256_set1_ps(hmax(top));
+  for (int64_t j = 0; j < padded; j += 8)
+    _mm256_storeu_ps(p + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(p + j), shift)));
+  // exp256 clamps at -87: masked keys and the padding are zeroed, not e^-87
+  std::fill(p + visible, p + padded, 0.f);
+  if (mask)
+    for (int64_t j = cached; j < visible; ++j)
+      if (!mask[j - cached]) p[j] = 0.f;
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < padded; j += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(p + j));
+  const float inv = 1.f / hsum(sum);
+  int64_t d = 0;
+  for (; d + 64 <= dim; d += 64)
+    weighted_rows<8>(p, inv, v_cache, ctx, visible, stride, kv_off + d, out + d);
+  for (; d < dim; d += 8)
+    weighted_rows<1>(p, inv, v_cache, ctx, visible, stride, kv_off + d, out + d);
+}

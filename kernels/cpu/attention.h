@@ -1,4 +1,5 @@
-// Causal attention over a long span (prefill), tiled, reading the paged caches in place.
+// Attention reading the paged caches in place: tiled over a long causal span (prefill),
+// one query row at a time otherwise (decode rows, draft trees).
 #pragma once
 #include <cstdint>
 
@@ -9,3 +10,12 @@
 void causal_attention(const float* q, int64_t ld, const float* k_cache, const float* v_cache,
                       const int64_t* ctx, int64_t num_cached, int64_t num_new, int64_t heads,
                       int64_t kv_heads, int64_t dim, float* out);
+
+// Softmax attention of one query head's row `q` (dim floats, dim a multiple of 8) over
+// keys 0..visible-1 of its context, at cache slots ctx[j] (caches [slots, kv_heads, dim],
+// this head's KV head at `kv_off` floats into a slot's `stride`); key j >= `cached` is
+// seen only where mask[j - cached] (no mask: all are). `p`: scratch of visible + 8 floats.
+// Writes dim floats to out.
+void row_attention(const float* q, float scale, const float* k_cache, const float* v_cache,
+                   const int64_t* ctx, int64_t visible, int64_t cached, const bool* mask,
+                   int64_t stride, int64_t kv_off, int64_t dim, float* p, float* out);

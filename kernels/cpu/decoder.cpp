@@ -97,6 +97,7 @@ class Decoder {
       : norm_(final_norm), eps_(eps), heads_(num_heads), kv_heads_(num_kv_heads),
         dim_(head_dim), hidden_(final_norm.numel()), inter_(intermediate_size) {
     TORCH_CHECK(layers.size() == types.size(), "a matmul type list per layer");
+    TORCH_CHECK(head_dim % 8 == 0, "head_dim a multiple of 8 (attention's AVX rows)");
     const int64_t qkv_size = (heads_ + 2 * kv_heads_) * dim_;
     for (size_t i = 0; i < layers.size(); ++i) {
       const auto& l = layers[i];
@@ -235,30 +236,15 @@ class Decoder {
       std::vector<float> p;
       for (int64_t job = begin; job < end; ++job) {
         const int64_t* span = rowwise[job / heads_];
-        const int64_t h = job % heads_, kv_off = (h / group) * dim_;
-        const int64_t first = span[0], num_new = span[1], cached = span[2];
-        const int64_t* ctx = s.slots + span[3];
+        const int64_t h = job % heads_, first = span[0], num_new = span[1], cached = span[2];
         const bool* mask = span[4] < 0 ? nullptr : s.masks + span[4];
-        p.resize(cached + num_new);
+        p.resize(cached + num_new + 8);
         for (int64_t i = 0; i < num_new; ++i) {
-          const float* qi = q + (first + i) * ld + h * dim_;
           const int64_t visible = cached + (mask ? num_new : i + 1);
-          float top = -INFINITY;
-          for (int64_t j = 0; j < visible; ++j) {
-            bool seen = j < cached || !mask || mask[i * num_new + (j - cached)];
-            p[j] = seen ? dot(qi, kc + ctx[j] * kv_size + kv_off, dim_) * scale : -INFINITY;
-            top = std::max(top, p[j]);
-          }
-          float total = 0.f;
-          for (int64_t j = 0; j < visible; ++j) total += (p[j] = std::exp(p[j] - top));
-          float* o = out + (first + i) * heads_ * dim_ + h * dim_;
-          std::fill(o, o + dim_, 0.f);
-          for (int64_t j = 0; j < visible; ++j) {
-            if (p[j] == 0.f) continue;
-            const float* v = vc + ctx[j] * kv_size + kv_off;
-            const float w = p[j] / total;
-            for (int64_t d = 0; d < dim_; ++d) o[d] += w * v[d];
-          }
+          row_attention(q + (first + i) * ld + h * dim_, scale, kc, vc, s.slots + span[3],
+                        visible, cached, mask ? mask + i * num_new : nullptr, kv_size,
+                        (h / group) * dim_, dim_, p.data(),
+                        out + (first + i) * heads_ * dim_ + h * dim_);
         }
       }
     });

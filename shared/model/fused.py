@@ -57,11 +57,13 @@ class FusedDecoder:
     ) -> FusedDecoder | None:
         """A fused decoder for this model once `pack_linears` packed it, or None where the
         kernel does not apply (layers other than plain Llama ones: Qwen3's q/k norms,
-        routed experts; unpacked weights: not fp32 on CPU; a KV cache not in fp32, which
-        the kernel reads in place; no compiled kernel)."""
+        routed experts; a head size not a multiple of 8; unpacked weights: not fp32 on
+        CPU; a KV cache not in fp32, which the kernel reads in place; no compiled kernel)."""
         cfg = model.config
         if cfg.qk_norm or cfg.moe is not None or cfg.linear is not None:
             return None  # decoder.cpp computes plain Llama layers only
+        if cfg.head_dim % 8:
+            return None  # its attention reads heads 8 floats at a time
         linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
         if any(m.packed is None for m in linears):
             return None
