@@ -37,7 +37,6 @@ def test_quant_linear_matches_the_dequantized_weight(kind: Q, n: int, k: int) ->
     rng = np.random.default_rng(n)
     raw = blocks(rng.standard_normal((n, k)).astype(np.float32) * 0.05, kind)
     weight = torch.from_numpy(np.array(gguf.quants.dequantize(raw.numpy(), kind), np.float32))
-    assert torch.equal(kernel.quant_dequantize(raw, int(kind)), weight)
     packed = kernel.quant_pack(raw, int(kind))
     for rows in (1, 2, 3, 70):
         x, bias, residual = torch.randn(rows, k), torch.randn(n), torch.randn(rows, n)

@@ -287,7 +287,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("blocked_linear", &blocked_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("quant_linear", &quant_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("quant_pack", &quant_pack);
-  m.def("quant_dequantize", &quant_dequantize);
   m.def("quant_block_bytes", &quant_block_bytes);
   m.def("set_num_threads", &set_num_threads);
   m.def("get_num_threads", &get_num_threads);

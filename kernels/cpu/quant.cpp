@@ -220,20 +220,6 @@ void pack(const uint8_t* w, int64_t n, int64_t blocks, uint8_t* out) {
   });
 }
 
-template <int64_t Type>
-void dequantize_block(const uint8_t* w, float* out) {
-  const float d = fp16(w);
-  const uint8_t* values = w + gguf_values_at(Type);
-  for (int64_t j = 0; j < QK; ++j) {
-    if constexpr (Type == GGML_Q8_0) {
-      out[j] = d * static_cast<int8_t>(values[j]);
-    } else {
-      const int q = j < 16 ? values[j] & 0x0F : values[j - 16] >> 4;
-      out[j] = Type == GGML_Q4_1 ? d * q + fp16(w + 2) : d * (q - 8);
-    }
-  }
-}
-
 template <typename Fn>
 auto by_type(int64_t type, Fn&& fn) {
   switch (type) {
@@ -296,18 +282,4 @@ Tensor quant_linear(const Tensor& x, const Tensor& packed, int64_t type, int64_t
                                y.data_ptr<float>());
   });
   return y;
-}
-
-Tensor quant_dequantize(const Tensor& weight, int64_t type) {
-  const int64_t blocks = gguf_blocks(weight, type), n = weight.size(0);
-  Tensor out = torch::empty({n, blocks * QK}, torch::kFloat);
-  const uint8_t* w = weight.data_ptr<uint8_t>();
-  float* o = out.data_ptr<float>();
-  by_type(type, [&](auto t) {
-    constexpr int64_t T = decltype(t)::value;
-    parallel_jobs(n * blocks, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) dequantize_block<T>(w + i * gguf_bytes(T), o + i * QK);
-    });
-  });
-  return out;
 }

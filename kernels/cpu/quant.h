@@ -25,5 +25,3 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, 
                            int64_t n, const torch::Tensor& bias,
                            const std::optional<torch::Tensor>& residual);
 
-// A GGUF weight (as quant_pack takes it) as fp32 [N, K].
-torch::Tensor quant_dequantize(const torch::Tensor& weight, int64_t type);

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from shared.config import QUANTIZATIONS
 from shared.model.attention import get_attention_backend
 from shared.model.config import OFFSET_NORM_ARCHITECTURES, ModelConfig
 from shared.model.gguf_loader import SOURCE_GGUF, load_gguf, quantized_weights
@@ -249,8 +250,8 @@ def _gguf_blocks(
 ) -> GgufBlocks:
     """The quantized matrices `--quantization` serves, checked before anything loads: from
     `path` itself (a .gguf) or the GGUF its conversion kept."""
-    if quantization != "gguf":
-        raise ValueError(f"unknown --quantization {quantization!r} (served: gguf)")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown --quantization {quantization!r} (served: {QUANTIZATIONS})")
     if device.type != "cpu" or dtype != torch.float32:
         raise ValueError(
             f"--quantization gguf runs on CPU with fp32 activations (kernels/cpu/quant.cpp), "
