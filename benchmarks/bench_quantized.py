@@ -1,15 +1,17 @@
 """A GGUF served as it ships: specmesh on its quantized blocks beside llama.cpp on the file.
 
     python benchmarks/bench_quantized.py [--new-tokens 128] [--runs 1] [--concurrency 1,8]
-        [--setups fp32,gguf,llama.cpp]
+        [--setups fp32,gguf,llama.cpp,gguf+NGRAM,gguf+EAGLE3,llama.cpp+ngram]
 
 The default model's own GGUF (Q4_1 matrices, a Q8_0 embedding), 10 held-out chat prompts,
 greedy, every answer `--new-tokens` long (ignore_eos), over each server's OpenAI chat API,
 no speculation: `fp32`, `specmesh up` on the weights expanded to fp32 (today's default);
 `gguf`, `specmesh up --quantization gguf`; `llama.cpp`, `llama-server` on the same file
 (benchmarks/peers/llama_cpp.sh builds it, cached; `-np` slots as the concurrency, no
-prompt cache). Prints generated tokens/s per setup and concurrency, and ratios taken
-within a run (medians over `--runs`); checks that `gguf` writes `fp32`'s texts.
+prompt cache); with speculation, `gguf+NGRAM` and `gguf+EAGLE3` (the shipped head) and
+`llama.cpp+ngram` (`--spec-type ngram-mod`). Prints generated tokens/s per setup and
+concurrency, and ratios taken within a run (medians over `--runs`); checks that `gguf`
+writes `fp32`'s texts and that speculation on the blocks writes `gguf`'s.
 """
 
 from __future__ import annotations
@@ -32,14 +34,21 @@ from shared.model.fetch import fetch_default_model  # noqa: E402
 from shared.model.gguf_loader import SOURCE_GGUF  # noqa: E402
 
 PROMPTS = json.loads((Path(__file__).parent / "prompts" / "chat_heldout.json").read_text())[:10]
-UP_ARGS = {"fp32": (), "gguf": ("--quantization", "gguf")}
+GGUF = ("--quantization", "gguf")
+UP_ARGS = {
+    "fp32": (),
+    "gguf": GGUF,
+    "gguf+NGRAM": (*GGUF, "--speculative-algorithm", "NGRAM"),
+    "gguf+EAGLE3": (*GGUF, "--speculative-algorithm", "EAGLE3"),
+}
+LLAMA_ARGS = {"llama.cpp": (), "llama.cpp+ngram": ("--spec-type", "ngram-mod")}
 
 
 def measure(setup: str, model: Path, new_tokens: int, concurrency: int) -> tuple[float, list[str]]:
     """tokens/s and texts of one setup at one concurrency, on a fresh server."""
-    if setup == "llama.cpp":
+    if setup in LLAMA_ARGS:
         server, _ = llama_cpp_paths(model)
-        slots = ("-np", str(concurrency), "--cache-ram", "0")
+        slots = ("-np", str(concurrency), "--cache-ram", "0", *LLAMA_ARGS[setup])
         with llama_server(server, str(model / SOURCE_GGUF), *slots) as url:
             over_http(url, PROMPTS[:2], 8, 2)
             return over_http(url, PROMPTS, new_tokens, concurrency)
@@ -65,12 +74,18 @@ def main() -> None:
                 speed, texts[setup] = measure(setup, model, args.new_tokens, concurrency)
                 speeds[setup].append(speed)
                 print(f"concurrency {concurrency}, run {run + 1}: {setup} {speed:.1f} tok/s")
-            if "fp32" in texts and "gguf" in texts:
-                same = sum(a == b for a, b in zip(texts["fp32"], texts["gguf"], strict=True))
-                print(f"  gguf's texts equal fp32's: {same} of {len(PROMPTS)}")
+            for setup in (s for s in setups if s.startswith("gguf")):
+                reference = "fp32" if setup == "gguf" else "gguf"
+                if reference in texts:
+                    pairs = zip(texts[setup], texts[reference], strict=True)
+                    same = sum(a == b for a, b in pairs)
+                    print(f"  {setup}'s texts equal {reference}'s: {same} of {len(PROMPTS)}")
         for setup, values in speeds.items():
             print(f"concurrency {concurrency}: {setup} median {statistics.median(values):.1f}")
-        for a, b in (("gguf", "fp32"), ("gguf", "llama.cpp")):
+        pairs = [("gguf", "fp32"), ("gguf", "llama.cpp")]
+        pairs += [(f"gguf+{a}", f"llama.cpp+{b}") for a, b in (("NGRAM", "ngram"),)]
+        pairs += [(f"gguf+{a}", "llama.cpp") for a in ("NGRAM", "EAGLE3")]
+        for a, b in pairs:
             if a in speeds and b in speeds:
                 ratios = [x / y for x, y in zip(speeds[a], speeds[b], strict=True)]
                 print(f"concurrency {concurrency}: {a} / {b} = {statistics.median(ratios):.2f}x")
