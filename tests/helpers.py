@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from shared.sampling.params import SamplingParams
@@ -146,3 +147,9 @@ def write_eagle_head(
         torch.save(w, path / "pytorch_model.bin")
     (path / "config.json").write_text(json.dumps(config))
     return str(path)
+
+
+def gguf_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf's LlamaModel.permute (applied to Q and K rows of llama files)."""
+    half = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)

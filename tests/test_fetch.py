@@ -8,9 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
 import torch
+from helpers import gguf_permute
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -159,12 +159,6 @@ _TINY = dict(
 )
 
 
-def _permute(weight: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf's LlamaModel.permute (applied to Q and K rows)."""
-    half = weight.shape[0] // n_head // 2
-    return weight.reshape(n_head, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
 def _llama3_rope_freqs(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:
     # llama.cpp stores the ratio of plain to llama3-scaled inverse frequencies.
     dim = config.hidden_size // config.num_attention_heads
@@ -202,9 +196,9 @@ def _write_gguf(
             continue
         weight = tensor.numpy()
         if arch == "llama" and ".q_proj." in name:
-            weight = _permute(weight, config.num_attention_heads)
+            weight = gguf_permute(weight, config.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
-            weight = _permute(weight, config.num_key_value_heads)
+            weight = gguf_permute(weight, config.num_key_value_heads)
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), weight)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -9,6 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from helpers import gguf_permute
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kernels.cpu import load
@@ -57,12 +58,6 @@ TINY = LlamaConfig(
 )
 
 
-def _permute(weight: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf's Q/K row order for llama files."""
-    half = weight.shape[0] // n_head // 2
-    return weight.reshape(n_head, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
 def write_gguf(path: Path, kind: Q, embedding: Q = Q.Q8_0) -> Path:
     """A tiny random llama as a GGUF: its matrices in `kind` blocks, the (tied) token
     embedding in `embedding` blocks, norms in F32."""
@@ -83,9 +78,9 @@ def write_gguf(path: Path, kind: Q, embedding: Q = Q.Q8_0) -> Path:
             continue
         weight = tensor.numpy()
         if ".q_proj." in name:
-            weight = _permute(weight, TINY.num_attention_heads)
+            weight = gguf_permute(weight, TINY.num_attention_heads)
         elif ".k_proj." in name:
-            weight = _permute(weight, TINY.num_key_value_heads)
+            weight = gguf_permute(weight, TINY.num_key_value_heads)
         gguf_name = names.get_name(name, try_suffixes=(".weight",))
         if weight.ndim == 1:
             writer.add_tensor(gguf_name, weight)
