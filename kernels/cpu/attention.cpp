@@ -215,56 +215,81 @@ __m256 dot8(const float* q, const float* const rows[8], int64_t dim) {
                        _mm256_permute2f128_ps(low, high, 0x31));
 }
 
-// out[0 .. 8R) = inv sum_j p[j] v_j[0 .. 8R), the sums held in R registers.
+// out[0 .. 8R) = sum_j p[j] v_j, the sums held in R registers.
 template <int R>
-void weighted_rows(const float* p, float inv, const float* v_cache, const int64_t* ctx,
-                   int64_t visible, int64_t stride, int64_t offset, float* out) {
+void weighted_rows(const float* p, const KVHead& kv, int64_t keys, int64_t offset, float* out) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < visible; ++j) {
+  for (int64_t j = 0; j < keys; ++j) {
     if (p[j] == 0.f) continue;  // masked (exp of -inf), or too small to count
-    const float* v = v_cache + ctx[j] * stride + offset;
+    const float* v = kv.v + kv.ctx[j] * kv.stride + offset;
     const __m256 w = _mm256_set1_ps(p[j]);
     for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * r), acc[r]);
   }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + 8 * r, _mm256_mul_ps(acc[r], _mm256_set1_ps(inv)));
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+
+// p[0 .. padded) scores of keys begin.. -> e^(s - m) (masked keys and the padding 0);
+// returns m, -inf where no key is seen.
+float softmax_chunk(float* p, int64_t n, int64_t padded, int64_t begin, int64_t cached,
+                    const bool* mask) {
+  for (int64_t j = std::max<int64_t>(0, cached - begin); mask && j < n; ++j)
+    if (!mask[begin + j - cached]) p[j] = -INFINITY;
+  std::fill(p + n, p + padded, -INFINITY);
+  __m256 top = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < padded; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(p + j));
+  const float m = hmax(top);
+  if (m == -INFINITY) return m;
+  const __m256 shift = _mm256_set1_ps(m);
+  for (int64_t j = 0; j < padded; j += 8) {
+    // exp256 clamps at -87: masked keys and the padding are zeroed, not e^-87
+    const __m256 s = _mm256_loadu_ps(p + j);
+    const __m256 seen = _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    _mm256_storeu_ps(p + j, _mm256_and_ps(seen, exp256(_mm256_sub_ps(s, shift))));
+  }
+  return m;
 }
 
 }  // namespace
 
-void row_attention(const float* q, float scale, const float* k_cache, const float* v_cache,
-                   const int64_t* ctx, int64_t visible, int64_t cached, const bool* mask,
-                   int64_t stride, int64_t kv_off, int64_t dim, float* p, float* out) {
+void partial_attention(const float* q, int64_t group, int64_t dim, const KVHead& kv,
+                       int64_t begin, int64_t end, int64_t cached, const bool* mask, float* p,
+                       float* out, float* max, float* sum) {
+  const int64_t n = end - begin, padded = round_up(n, 8);
+  const KVHead chunk{kv.k, kv.v, kv.ctx + begin, kv.stride, kv.offset};
   // scores, 8 keys at a time (the last 8 padded with the last key, then cut)
-  const __m256 scaling = _mm256_set1_ps(scale);
-  for (int64_t j = 0; j < visible; j += 8) {
+  const __m256 scaling = _mm256_set1_ps(1.f / std::sqrt(static_cast<float>(dim)));
+  for (int64_t j = 0; j < n; j += 8) {
     const float* rows[8];
     for (int t = 0; t < 8; ++t)
-      rows[t] = k_cache + ctx[std::min(j + t, visible - 1)] * stride + kv_off;
-    const __m256 s = _mm256_mul_ps(dot8(q, rows, dim), scaling);
-    _mm256_storeu_ps(p + j, s);
+      rows[t] = kv.k + chunk.ctx[std::min(j + t, n - 1)] * kv.stride + kv.offset;
+    for (int64_t h = 0; h < group; ++h)
+      _mm256_storeu_ps(p + h * padded + j, _mm256_mul_ps(dot8(q + h * dim, rows, dim), scaling));
   }
-  if (mask)
-    for (int64_t j = cached; j < visible; ++j)
-      if (!mask[j - cached]) p[j] = -INFINITY;
-  const int64_t padded = round_up(visible, 8);
-  std::fill(p + visible, p + padded, -INFINITY);
-  __m256 top = _mm256_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < padded; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(p + j));
-  const __m256 shift = _mm256_set1_ps(hmax(top));
-  for (int64_t j = 0; j < padded; j += 8)
-    _mm256_storeu_ps(p + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(p + j), shift)));
-  // exp256 clamps at -87: masked keys and the padding are zeroed, not e^-87
-  std::fill(p + visible, p + padded, 0.f);
-  if (mask)
-    for (int64_t j = cached; j < visible; ++j)
-      if (!mask[j - cached]) p[j] = 0.f;
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t j = 0; j < padded; j += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(p + j));
-  const float inv = 1.f / hsum(sum);
-  int64_t d = 0;
-  for (; d + 64 <= dim; d += 64)
-    weighted_rows<8>(p, inv, v_cache, ctx, visible, stride, kv_off + d, out + d);
-  for (; d < dim; d += 8)
-    weighted_rows<1>(p, inv, v_cache, ctx, visible, stride, kv_off + d, out + d);
+  for (int64_t h = 0; h < group; ++h) {
+    float *ph = p + h * padded, *oh = out + h * dim;
+    max[h] = softmax_chunk(ph, n, padded, begin, cached, mask);
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t j = 0; j < padded; j += 8) total = _mm256_add_ps(total, _mm256_loadu_ps(ph + j));
+    sum[h] = hsum(total);
+    int64_t d = 0;
+    for (; d + 64 <= dim; d += 64) weighted_rows<8>(ph, chunk, n, kv.offset + d, oh + d);
+    for (; d < dim; d += 8) weighted_rows<1>(ph, chunk, n, kv.offset + d, oh + d);
+  }
+}
+
+void merge_partials(const float* parts, int64_t count, int64_t step, int64_t out_at,
+                    int64_t max_at, int64_t sum_at, int64_t dim, float* out) {
+  float top = -INFINITY, total = 0.f;
+  for (int64_t c = 0; c < count; ++c) top = std::max(top, parts[c * step + max_at]);
+  std::fill(out, out + dim, 0.f);
+  for (int64_t c = 0; c < count; ++c) {
+    const float* part = parts + c * step;
+    if (part[max_at] == -INFINITY) continue;  // a chunk of masked keys only
+    const float w = std::exp(part[max_at] - top);
+    total += w * part[sum_at];
+    for (int64_t d = 0; d < dim; ++d) out[d] += w * part[out_at + d];
+  }
+  const float inv = 1.f / total;
+  for (int64_t d = 0; d < dim; ++d) out[d] *= inv;
 }

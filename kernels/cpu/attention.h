@@ -11,11 +11,28 @@ void causal_attention(const float* q, int64_t ld, const float* k_cache, const fl
                       const int64_t* ctx, int64_t num_cached, int64_t num_new, int64_t heads,
                       int64_t kv_heads, int64_t dim, float* out);
 
-// Softmax attention of one query head's row `q` (dim floats, dim a multiple of 8) over
-// keys 0..visible-1 of its context, at cache slots ctx[j] (caches [slots, kv_heads, dim],
-// this head's KV head at `kv_off` floats into a slot's `stride`); key j >= `cached` is
-// seen only where mask[j - cached] (no mask: all are). `p`: scratch of visible + 8 floats.
-// Writes dim floats to out.
-void row_attention(const float* q, float scale, const float* k_cache, const float* v_cache,
-                   const int64_t* ctx, int64_t visible, int64_t cached, const bool* mask,
-                   int64_t stride, int64_t kv_off, int64_t dim, float* p, float* out);
+// Where one KV head's keys and values live: caches [slots, kv_heads, dim], the head at
+// `offset` floats into a slot's `stride`, a sequence's keys at cache slots ctx[0..].
+struct KVHead {
+  const float *k, *v;
+  const int64_t* ctx;
+  int64_t stride, offset;
+};
+
+// Decode attention, a chunk of keys at a time: `group` query heads sharing a KV head
+// (q: their rows side by side, dim floats each, dim a multiple of 8) over keys
+// [begin, end) of their context, each K and V row read once for all of them. Key j >=
+// `cached` is seen only where mask[j - cached] (no mask: all are). Per head h, with
+// s_j = q_h k_j / sqrt(dim) and m = max_j s_j over the seen keys:
+//   out[h * dim ..] = sum_j e^(s_j - m) v_j,  max[h] = m,  sum[h] = sum_j e^(s_j - m)
+// (m = -inf, sum 0 where no key of the chunk is seen). `p`: scratch of
+// group * (end - begin + 8) floats.
+void partial_attention(const float* q, int64_t group, int64_t dim, const KVHead& kv,
+                       int64_t begin, int64_t end, int64_t cached, const bool* mask, float* p,
+                       float* out, float* max, float* sum);
+
+// One head's attention from its chunks' partials: `count` partials `step` floats apart,
+// the head's out, max and sum at `out_at`, `max_at`, `sum_at` floats into each:
+//   o = sum_c e^(m_c - M) out_c / sum_c e^(m_c - M) sum_c,  M = max_c m_c.
+void merge_partials(const float* parts, int64_t count, int64_t step, int64_t out_at,
+                    int64_t max_at, int64_t sum_at, int64_t dim, float* out);

@@ -57,6 +57,9 @@ void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
 
 // Causal spans of at least this many new rows attend through attention.cpp's tiles.
 constexpr int64_t TILED_MIN_ROWS = 8;
+// Keys per job of a decode row's attention: a chunk's K and V rows of one KV head (16 KB
+// each at head_dim 64) stay in L1/L2 while the group's query heads use them.
+constexpr int64_t DECODE_KEYS = 64;
 
 // One of a layer's matmuls: its weight in block_weight's column blocks (type 0) or in
 // quant_pack's layout of GGUF blocks (type: the GGML block type); bias may be empty.
@@ -218,7 +221,7 @@ class Decoder {
   // Softmax attention of each query head over its span's visible context, reading K and V
   // in place from the paged caches. q rows have stride `ld`; out is [rows, heads * dim].
   // Causal spans of many rows (prefill chunks) take the tiled kernel; the others (decode
-  // rows, draft trees with their masks) one row at a time here.
+  // rows, draft trees with their masks) go row by row.
   void attention(const float* q, int64_t ld, const float* kc, const float* vc, const Spans& s,
                  float* out) const {
     std::vector<const int64_t*> rowwise;
@@ -230,25 +233,63 @@ class Decoder {
       else
         rowwise.push_back(span);
     }
-    const int64_t group = heads_ / kv_heads_, kv_size = kv_heads_ * dim_;
-    const float scale = 1.f / std::sqrt(static_cast<float>(dim_));
-    parallel_jobs(rowwise.size() * heads_, [&](int64_t begin, int64_t end) {
-      std::vector<float> p;
+    if (!rowwise.empty()) row_attention(q, ld, kc, vc, s, rowwise, out);
+  }
+
+  // A query row of a rowwise span: its row, the keys it sees (those past `cached` only
+  // where `mask` says), its context slots, and where its chunks' jobs begin.
+  struct QueryRow {
+    int64_t row, visible, cached, first_job;
+    const bool* mask;
+    const int64_t* slots;
+  };
+
+  // A job per query row, chunk of DECODE_KEYS keys and KV head: the group's query heads
+  // attend together (each K/V row is read once per group; one long row still splits among
+  // the threads). A chunk's jobs are consecutive, so a thread claiming several reads its
+  // cache slots whole. Each head's chunks are merged after.
+  void row_attention(const float* q, int64_t ld, const float* kc, const float* vc,
+                     const Spans& s, const std::vector<const int64_t*>& spans,
+                     float* out) const {
+    const int64_t group = heads_ / kv_heads_, part = group * (dim_ + 2);
+    std::vector<QueryRow> rows;
+    std::vector<int64_t> job_row;  // each job's index into rows
+    for (const int64_t* span : spans) {
+      const int64_t first = span[0], num_new = span[1], cached = span[2];
+      const bool* mask = span[4] < 0 ? nullptr : s.masks + span[4];
+      for (int64_t i = 0; i < num_new; ++i) {
+        const int64_t visible = cached + (mask ? num_new : i + 1);
+        rows.push_back({first + i, visible, cached, static_cast<int64_t>(job_row.size()),
+                        mask ? mask + i * num_new : nullptr, s.slots + span[3]});
+        job_row.resize(job_row.size() + kv_heads_ * chunks(visible), rows.size() - 1);
+      }
+    }
+    std::vector<float> partials(job_row.size() * part);
+    parallel_jobs(job_row.size(), [&](int64_t begin, int64_t end) {
+      std::vector<float> p(group * (DECODE_KEYS + 8));
       for (int64_t job = begin; job < end; ++job) {
-        const int64_t* span = rowwise[job / heads_];
-        const int64_t h = job % heads_, first = span[0], num_new = span[1], cached = span[2];
-        const bool* mask = span[4] < 0 ? nullptr : s.masks + span[4];
-        p.resize(cached + num_new + 8);
-        for (int64_t i = 0; i < num_new; ++i) {
-          const int64_t visible = cached + (mask ? num_new : i + 1);
-          row_attention(q + (first + i) * ld + h * dim_, scale, kc, vc, s.slots + span[3],
-                        visible, cached, mask ? mask + i * num_new : nullptr, kv_size,
-                        (h / group) * dim_, dim_, p.data(),
-                        out + (first + i) * heads_ * dim_ + h * dim_);
-        }
+        const QueryRow& r = rows[job_row[job]];
+        const int64_t kv = (job - r.first_job) % kv_heads_;
+        const int64_t from = (job - r.first_job) / kv_heads_ * DECODE_KEYS;
+        float* o = partials.data() + job * part;
+        partial_attention(q + r.row * ld + kv * group * dim_, group, dim_,
+                          {kc, vc, r.slots, kv_heads_ * dim_, kv * dim_}, from,
+                          std::min(r.visible, from + DECODE_KEYS), r.cached, r.mask, p.data(),
+                          o, o + group * dim_, o + group * (dim_ + 1));
+      }
+    });
+    parallel_jobs(rows.size() * heads_, [&](int64_t begin, int64_t end) {
+      for (int64_t job = begin; job < end; ++job) {
+        const QueryRow& r = rows[job / heads_];
+        const int64_t h = job % heads_, kv = h / group, g = h % group, n = chunks(r.visible);
+        merge_partials(partials.data() + (r.first_job + kv) * part, n, kv_heads_ * part,
+                       g * dim_, group * dim_ + g, group * (dim_ + 1) + g, dim_,
+                       out + r.row * heads_ * dim_ + h * dim_);
       }
     });
   }
+
+  static int64_t chunks(int64_t keys) { return (keys + DECODE_KEYS - 1) / DECODE_KEYS; }
 
   std::vector<Layer> layers_;
   Tensor norm_;
