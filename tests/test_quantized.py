@@ -3,6 +3,7 @@ weights dequantized, a tiny model on both paths, and the inputs refused before s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -58,35 +59,48 @@ TINY = LlamaConfig(
 )
 
 
-def write_gguf(path: Path, kind: Q, embedding: Q = Q.Q8_0) -> Path:
-    """A tiny random llama as a GGUF: its matrices in `kind` blocks, the (tied) token
-    embedding in `embedding` blocks, norms in F32."""
+# HF name and (Q/K-permuted) fp32 weight of a matrix -> its GGUF blocks and their type.
+BlocksOf = Callable[[str, np.ndarray], tuple[np.ndarray, Q]]
+
+
+def in_blocks(kind: Q, embedding: Q = Q.Q8_0) -> BlocksOf:
+    """The matrices quantized to `kind` blocks, the (tied) token embedding to `embedding`."""
+
+    def blocks_of(name: str, weight: np.ndarray) -> tuple[np.ndarray, Q]:
+        block = embedding if "embed_tokens" in name else kind
+        return gguf.quants.quantize(weight, block), block
+
+    return blocks_of
+
+
+def write_gguf(path: Path, blocks_of: BlocksOf, config: LlamaConfig = TINY) -> Path:
+    """A tiny random llama as a GGUF: its matrices in `blocks_of`'s blocks, norms in F32."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(TINY).eval()
+    model = LlamaForCausalLM(config).eval()
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(TINY.num_hidden_layers)
-    writer.add_context_length(TINY.max_position_embeddings)
-    writer.add_embedding_length(TINY.hidden_size)
-    writer.add_feed_forward_length(TINY.intermediate_size)
-    writer.add_head_count(TINY.num_attention_heads)
-    writer.add_head_count_kv(TINY.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(TINY.rms_norm_eps)
-    writer.add_rope_freq_base(TINY.rope_parameters["rope_theta"])
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, TINY.num_hidden_layers)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight":
             continue
         weight = tensor.numpy()
         if ".q_proj." in name:
-            weight = gguf_permute(weight, TINY.num_attention_heads)
+            weight = gguf_permute(weight, config.num_attention_heads)
         elif ".k_proj." in name:
-            weight = gguf_permute(weight, TINY.num_key_value_heads)
+            weight = gguf_permute(weight, config.num_key_value_heads)
         gguf_name = names.get_name(name, try_suffixes=(".weight",))
         if weight.ndim == 1:
             writer.add_tensor(gguf_name, weight)
             continue
-        block = embedding if "embed_tokens" in name else kind
-        writer.add_tensor(gguf_name, gguf.quants.quantize(weight, block), raw_dtype=block)
+        blocks, block = blocks_of(name, weight)
+        writer.add_tensor(gguf_name, blocks, raw_dtype=block)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -120,19 +134,25 @@ def runner(path: Path, quantization: str | None, fused: bool = True) -> ModelRun
 
 @pytest.mark.parametrize("kind", SERVED, ids=lambda k: k.name)
 def test_tiny_model_on_gguf_blocks_matches_its_dequantized_weights(kind: Q, tmp_path: Path) -> None:
-    """The fused decoder and the torch path on the file's blocks: prefill logits within
-    tolerance of the same file expanded to fp32 (today's path), greedy tokens the same on
-    all but at most one prompt (a near tie of a random model may flip)."""
-    path = write_gguf(tmp_path / "tiny.gguf", kind)
+    """Every matrix in one block type, the tied LM head the embedding's Q8_0."""
+    path = write_gguf(tmp_path / "tiny.gguf", in_blocks(kind))
+    model = serve_like_dequantized(path)
+    assert model.lm_head.block_type == int(Q.Q8_0)
+    assert model.layers[0].mlp.down_proj.block_type == int(kind)
+
+
+def serve_like_dequantized(path: Path) -> torch.nn.Module:
+    """Runs the GGUF at `path` on its blocks (fused decoder and torch path) beside the same
+    file expanded to fp32 (today's path): prefill logits within tolerance, greedy tokens
+    the same on all but at most one of 10 prompts (a near tie of a random model may flip).
+    Returns the model on the blocks, whose Linears' block types the caller checks."""
     full = runner(path, None)
     assert all(m.block_type == 0 for m in full.model.modules() if hasattr(m, "block_type"))
     quantized = [runner(path, "gguf"), runner(path, "gguf", fused=False)]
-    assert quantized[0].model.lm_head.block_type == int(Q.Q8_0)
-    assert quantized[0].model.layers[0].mlp.down_proj.block_type == int(kind)
     same = 0
     gen = torch.Generator().manual_seed(1)
     for _ in range(10):
-        prompt = torch.randint(3, TINY.vocab_size, (12,), generator=gen).tolist()
+        prompt = torch.randint(3, full.model.config.vocab_size, (12,), generator=gen).tolist()
         ref_tokens, ref_logits = greedy(full, prompt, 6)
         outputs = [greedy(r, prompt, 6) for r in quantized]
         for _, logits in outputs:
@@ -141,16 +161,16 @@ def test_tiny_model_on_gguf_blocks_matches_its_dequantized_weights(kind: Q, tmp_
         assert outputs[0][0] == outputs[1][0]  # fused and torch paths: the same kernels
         same += outputs[0][0] == ref_tokens
     assert same >= 9
+    return quantized[0].model
 
 
 def test_refused_before_serving(tmp_path: Path) -> None:
     """A block type not served, non-finite scales, a model directory without its GGUF, and
     a device or dtype the kernels cannot run: each a clear error from the loader."""
-    with pytest.raises(ValueError, match="Q5_0, a block type not served"):
-        load_model(
-            write_gguf(tmp_path / "q5.gguf", Q.Q5_0), CPU, torch.float32, quantization="gguf"
-        )
-    path = write_gguf(tmp_path / "nan.gguf", Q.Q4_1)
+    path = write_gguf(tmp_path / "mxfp4.gguf", in_blocks(Q.MXFP4))
+    with pytest.raises(ValueError, match="MXFP4, a block type not served"):
+        load_model(path, CPU, torch.float32, quantization="gguf")
+    path = write_gguf(tmp_path / "nan.gguf", in_blocks(Q.Q4_1))
     reader = gguf.GGUFReader(path, "r+")
     down = next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight")
     down.data[0, :2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)  # block 0's d

@@ -3,11 +3,29 @@
 // 32 values (scale dx; an error ~2^-15 of the block's largest, far below what flips a
 // greedy token, where int8's does), so a block's products are integer multiply-adds
 // (madd: int16 pairs summed to int32):
-//   sum_i w_i x_i = d dx sum_i q_i xq_i  + m dx sum_i xq_i   (Q4_1; Q4_0: m = -8 d)
-// Eight output columns go together (quant_pack's groups), so their block totals land in
-// the 8 lanes of one register by horizontal adds, and their scales d and offsets m are
-// one fp16 load each: one FMA applies the eight columns' scales, one more their offsets.
-// Each weight register is expanded once and multiplied with up to 2 activation rows.
+//   sum_i w_i x_i = d dx sum_i q_i xq_i  + m dx sum_i xq_i
+// (Q4_1, Q5_1; Q4_0, Q5_0: m = -8 d, -16 d, from d in the kernel). Eight output columns go
+// together (quant_pack's groups), so their block totals land in the 8 lanes of one register
+// by horizontal adds, and their scales d and offsets m are one fp16 load each: one FMA
+// applies the eight columns' scales, one more their offsets. Each weight register is
+// expanded once and multiplied with up to 2 activation rows.
+//
+// 4-, 5- and 6-bit values share one layout: their low 4 bits as nibbles, read by shifts and
+// masks (no shuffles) into 16-bit lanes in the activations' evens-first order, then the
+// bits above (5-bit: 1, 6-bit: 2 a value), laid out so that one shift and mask put them
+// above the nibbles of two values at once.
+//
+// K-quants keep their superblocks' integer sub-block scales as integers (a byte each) and
+// apply them per activation block, in fp32 with that block's dx:
+//   Q4_K, sub-block j (32 weights, one activation block):
+//     sum w x = (d s_j) dx sum q xq - (dmin m_j) dx sum xq
+//   8 columns' d s_j: one 8-byte load, converted, times their 8 d (shared by the rows).
+//   Q6_K, an activation block's two 16-weight sub-blocks A (values 0-15), B (16-31):
+//     sum w x = d dx (s_A (sum_A q xq - 32 sum_A xq) + s_B (sum_B q xq - 32 sum_B xq))
+//   The registers holding values 0-15 (expand's w[0], w[1]) and 16-31 (w[2], w[3]) are
+//   madd'ed apart anyway, so A's and B's totals come out of the same products; sum_A xq is
+//   kept from quantizing x. The integer totals stay far inside int32 (16 * 63 * 32767 <
+//   2^25); the scales multiply in fp32, as s (q - 32) xq over 32 values could pass 2^31.
 #include "quant.h"
 
 #include <immintrin.h>
@@ -23,26 +41,35 @@ namespace {
 
 using torch::Tensor;
 
-constexpr int64_t QK = 32;        // weights (and activations) per block
-constexpr int64_t GROUP = 8;      // output columns packed together
-constexpr int64_t JOB_GROUPS = 4;  // column groups per job
-constexpr int64_t JOB_ROWS = 64;   // activation rows per job: their int16 rows stay in L2
+constexpr int64_t QK = 32;           // activations per block; weights per 32-weight block
+constexpr int64_t QK_K = 256;        // weights per K-quant superblock
+constexpr int64_t SUBS = QK_K / QK;  // activation blocks per superblock (Q4_K's sub-blocks)
+constexpr int64_t Q6_SUB = 16;       // weights per Q6_K sub-block scale
+constexpr int64_t GROUP = 8;         // output columns packed together
+constexpr int64_t JOB_GROUPS = 4;    // column groups per job
+constexpr int64_t JOB_ROWS = 64;     // activation rows per job: their int16 rows stay in L2
 // Weight bytes requested ahead of the block being multiplied (matmul.cpp's 4 KB).
 constexpr int64_t PREFETCH_BYTES = 4096;
 
-// x quantized per row and block: int16 values, the block's scale dx and dx * sum(xq).
-// A block's values are stored evens first: x0 x2 .. x30, then x1 x3 .. x31, the order in
-// which the kernels' 16-bit lanes hold the weights they multiply (no shuffles there).
+// x quantized per row and block: int16 values, the block's scale dx, dx * sum(xq), and
+// sum(xq) over its values 0-15 and 16-31 (Q6_K's sub-blocks). A block's values are stored
+// evens first: x0 x2 .. x30, then x1 x3 .. x31, the order in which the kernels' 16-bit lanes
+// hold the weights they multiply (no shuffles there).
 struct QuantRows {
   std::vector<int16_t> q;
   std::vector<float> scale, scaled_sum;
-  int64_t blocks;
+  std::vector<int32_t> half_sums;
+  int64_t blocks;  // per row
+
+  int64_t at(int64_t row, int64_t block) const { return row * blocks + block; }
+  const int16_t* values(int64_t row, int64_t block) const { return q.data() + at(row, block) * QK; }
 };
 
 QuantRows quantize_rows(const float* x, int64_t rows, int64_t k) {
   const int64_t blocks = k / QK;
   QuantRows out{std::vector<int16_t>(rows * k), std::vector<float>(rows * blocks),
-                std::vector<float>(rows * blocks), blocks};
+                std::vector<float>(rows * blocks), std::vector<int32_t>(rows * blocks * 2),
+                blocks};
   parallel_jobs(rows, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin * blocks; i < end * blocks; ++i) {  // block i of all rows
       const float* v = x + i * QK;
@@ -50,38 +77,84 @@ QuantRows quantize_rows(const float* x, int64_t rows, int64_t k) {
       for (int64_t j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(v[j]));
       const float d = amax / 32767.f, inv = amax > 0.f ? 1.f / d : 0.f;
       int16_t* q = out.q.data() + i * QK;
-      int sum = 0;
+      int32_t* half = out.half_sums.data() + 2 * i;
       for (int64_t j = 0; j < QK; ++j)
-        sum += q[j % 2 * (QK / 2) + j / 2] = static_cast<int16_t>(std::nearbyint(v[j] * inv));
+        half[j / Q6_SUB] += q[j % 2 * (QK / 2) + j / 2] =
+            static_cast<int16_t>(std::nearbyint(v[j] * inv));
       out.scale[i] = d;
-      out.scaled_sum[i] = d * static_cast<float>(sum);
+      out.scaled_sum[i] = d * static_cast<float>(half[0] + half[1]);
     }
   });
   return out;
 }
 
-constexpr bool four_bit(int64_t type) { return type != GGML_Q8_0; }
+constexpr bool k_quant(int64_t type) { return type == GGML_Q4_K || type == GGML_Q6_K; }
+constexpr int64_t block_weights(int64_t type) { return k_quant(type) ? QK_K : QK; }
+// Bits of a 4-, 5- or 6-bit value above its low nibble.
+constexpr int high_bits(int64_t type) {
+  return type == GGML_Q5_0 || type == GGML_Q5_1 ? 1 : type == GGML_Q6_K ? 2 : 0;
+}
+// A block's offset m is in the file (Q4_1, Q5_1), or -centre * d (Q4_0, Q5_0).
+constexpr bool stored_offset(int64_t type) { return type == GGML_Q4_1 || type == GGML_Q5_1; }
+// The q of a zero weight in the symmetric types: w = d (q - centre).
+constexpr int centre(int64_t type) {
+  return type == GGML_Q4_0 ? 8 : type == GGML_Q5_0 ? 16 : type == GGML_Q6_K ? 32 : 0;
+}
 
-// GGUF's block: fp16 d, (Q4_1) fp16 m, then the values.
+// GGUF's block.
 constexpr int64_t gguf_bytes(int64_t type) {
-  return type == GGML_Q8_0 ? 2 + QK : type == GGML_Q4_1 ? 4 + QK / 2 : 2 + QK / 2;
+  switch (type) {
+    case GGML_Q8_0: return 2 + QK;          // d, int8 q
+    case GGML_Q4_0: return 2 + QK / 2;      // d, nibbles
+    case GGML_Q4_1: return 4 + QK / 2;      // d, m, nibbles
+    case GGML_Q5_0: return 6 + QK / 2;      // d, 32 fifth bits, nibbles
+    case GGML_Q5_1: return 8 + QK / 2;      // d, m, 32 fifth bits, nibbles
+    case GGML_Q4_K: return 16 + QK_K / 2;   // d, dmin, 12 bytes of 6-bit scales, nibbles
+    case GGML_Q6_K: return QK_K / 2 + QK_K / 4 + QK_K / Q6_SUB + 2;  // nibbles, 2-bit highs,
+                                                                     // int8 scales, d
+  }
+  return 0;
 }
-constexpr int64_t gguf_values_at(int64_t type) { return type == GGML_Q4_1 ? 4 : 2; }
 
-// quant_pack's block of a group: the values of its 8 columns, then 8 fp16 d (and 8 m).
-constexpr int64_t values_bytes(int64_t type) { return GROUP * (four_bit(type) ? QK / 2 : QK); }
+// quant_pack's values of one 32-weight block of a group. Q8_0: 8 columns' 32 int8. Else
+// 4 rows of 32 bytes of nibbles (columns p and p + 4 in row p, 16 bytes each, value j and
+// j + 16 in byte j), then the high bits, high_bits registers of 32 bytes (`place_values`).
+constexpr int64_t NIBBLE_BYTES = GROUP * QK / 2;
+constexpr int64_t values_bytes(int64_t type) {
+  return type == GGML_Q8_0 ? GROUP * QK : NIBBLE_BYTES + GROUP * QK * high_bits(type) / 8;
+}
+// A K-quant superblock's scales, before its 8 blocks' values. Q4_K: 8 fp16 d, 8 fp16 dmin,
+// uint8 s [8 sub-blocks][8 columns], uint8 m likewise; Q6_K: 8 fp16 d, int8 s [16][8].
+constexpr int64_t header_bytes(int64_t type) {
+  return type == GGML_Q4_K   ? 4 * GROUP + 2 * SUBS * GROUP
+         : type == GGML_Q6_K ? 2 * GROUP + QK_K / Q6_SUB * GROUP
+                             : 0;
+}
+// One GGUF block of a group's 8 columns: a 32-weight block's values, then 8 fp16 d (and 8
+// fp16 m where stored); a superblock's header, then its 8 blocks' values.
 constexpr int64_t group_bytes(int64_t type) {
-  return values_bytes(type) + GROUP * 2 * (four_bit(type) ? 2 : 1);
+  return k_quant(type) ? header_bytes(type) + SUBS * values_bytes(type)
+                       : values_bytes(type) + GROUP * 2 * (stored_offset(type) ? 2 : 1);
 }
 
-float fp16(const uint8_t* p) {
+uint16_t bits16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
+  return h;
 }
 
 inline __m256i load256(const void* p) {
   return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+}
+inline __m128i load128(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+inline __m256 fp16x8(const uint8_t* p) { return _mm256_cvtph_ps(load128(p)); }
+inline __m256 u8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(
+      static_cast<const void*>(p)))));
+}
+inline __m256 i8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(
+      static_cast<const void*>(p)))));
 }
 
 // The 8 lane sums of each of 8 columns' registers v[c], column c in lane c, reduced as
@@ -97,77 +170,190 @@ inline __m256i madd2(__m256i w0, __m256i x0, __m256i w1, __m256i x1) {
   return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
 }
 
+inline __m256i shift_left(__m256i v, int bits) {  // bits < 0: right
+  return bits >= 0 ? _mm256_slli_epi16(v, bits) : _mm256_srli_epi16(v, -bits);
+}
+
+// Row p (0-3) of a block's values as 16-bit lanes: w[0..3] hold values 2i, 2i + 1, 2i + 16,
+// 2i + 17 of column p in lane i (0-7), of column p + 4 in lane 8 + i. A lane's nibbles are
+// bytes 2i, 2i + 1 of its column (value 2i low in byte 2i, 2i + 16 high).
+// 5- and 6-bit values: the High bits above each nibble are OR'ed in while two values share a
+// lane (values 2i, 2i + 1 as its bytes; 2i + 16, 2i + 17), at bits 4 and 12 of a lane of the
+// register of High bits that `place_values` aligned for it: one shift and mask each.
+template <int High>
+inline void expand(const uint8_t* values, int p, __m256i w[4]) {
+  const __m256i raw = load256(values + p * QK);
+  if constexpr (High == 0) {
+    const __m256i nibble = _mm256_set1_epi16(0x000F);
+    w[0] = _mm256_and_si256(raw, nibble);
+    w[1] = _mm256_and_si256(_mm256_srli_epi16(raw, 8), nibble);
+    w[2] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+    w[3] = _mm256_srli_epi16(raw, 12);
+  } else {
+    constexpr int ROWS = 4 / High;  // rows whose high bits share a register
+    const __m256i nibbles = _mm256_set1_epi16(0x0F0F), byte = _mm256_set1_epi16(0x00FF);
+    const __m256i mask = _mm256_set1_epi16(((1 << High) - 1) * 0x1010);
+    const __m256i h = load256(values + NIBBLE_BYTES + p / ROWS * QK);
+    const int at = 2 * High * (p % ROWS);  // row p's bits for values 2i, 2i + 1 (then 16, 17)
+    const __m256i low = _mm256_or_si256(_mm256_and_si256(raw, nibbles),
+                                        _mm256_and_si256(shift_left(h, 4 - at), mask));
+    const __m256i high = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nibbles),
+                                         _mm256_and_si256(shift_left(h, 4 - at - High), mask));
+    w[0] = _mm256_and_si256(low, byte);
+    w[1] = _mm256_srli_epi16(low, 8);
+    w[2] = _mm256_and_si256(high, byte);
+    w[3] = _mm256_srli_epi16(high, 8);
+  }
+}
+
+// sum q xq of a 4-, 5- or 6-bit block's 8 columns for R activation rows, column c in lane c
+// of totals[r][part]: Parts 1, over the block; 2, over its values 0-15, then 16-31.
+template <int High, int Parts, int R>
+inline void block_totals(const uint8_t* values, const int16_t* const xq[R],
+                         __m256i totals[R][Parts]) {
+  __m256i xs[R][4];  // x0 x2 .. x14, x1 .. x15, x16 .. x30, x17 .. x31, in both halves
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j)
+      xs[r][j] = _mm256_broadcastsi128_si256(load128(xq[r] + (j % 2) * 16 + (j / 2) * 8));
+  __m256i halves[R][Parts][2];
+  for (int p = 0; p < 4; ++p) {
+    __m256i w[4];
+    expand<High>(values, p, w);
+    for (int r = 0; r < R; ++r) {
+      // [column p's 4 partial sums | column p + 4's] over values 0-15 and over 16-31
+      const __m256i low = madd2(w[0], xs[r][0], w[1], xs[r][1]);
+      const __m256i high = madd2(w[2], xs[r][2], w[3], xs[r][3]);
+      const __m256i v[2] = {Parts == 1 ? _mm256_add_epi32(low, high) : low, high};
+      for (int part = 0; part < Parts; ++part) {
+        __m256i& half = halves[r][part][p / 2];
+        half = p % 2 ? _mm256_hadd_epi32(half, v[part]) : v[part];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)  // [c0 c1 c2 c3 | c4 c5 c6 c7]
+    for (int part = 0; part < Parts; ++part)
+      totals[r][part] = _mm256_hadd_epi32(halves[r][part][0], halves[r][part][1]);
+}
+
+// sum q xq of a Q8_0 block's 8 columns for R activation rows, column c in lane c.
+template <int R>
+inline void q8_totals(const uint8_t* values, const int16_t* const xq[R], __m256i totals[R][1]) {
+  // 16-bit lane i of a column's 32 bytes: values 2i (low byte) and 2i + 1
+  __m256i pairs[R][4];
+  for (int c = 0; c < GROUP; ++c) {
+    const __m256i q = load256(values + c * QK);
+    const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(q, 8), 8);
+    const __m256i odd = _mm256_srai_epi16(q, 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256i v = madd2(even, load256(xq[r]), odd, load256(xq[r] + QK / 2));
+      pairs[r][c / 2] = c % 2 ? _mm256_hadd_epi32(pairs[r][c / 2], v) : v;
+    }
+  }
+  for (int r = 0; r < R; ++r) totals[r][0] = column_totals(pairs[r]);
+}
+
+// R rows' running sums of a group's 8 outputs: the scaled totals and the offset terms.
+template <int R>
+struct Sums {
+  __m256 acc[R], off[R];
+};
+
+// A 32-weight block g, activation block a of rows row..row+R-1:
+// acc += d dx sum q xq, off += m dx sum xq.
+template <int64_t Type, int R>
+inline void small_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a,
+                        Sums<R>& s) {
+  const int16_t* xq[R];
+  for (int r = 0; r < R; ++r) xq[r] = x.values(row + r, a);
+  __m256i totals[R][1];
+  if constexpr (Type == GGML_Q8_0) q8_totals<R>(g, xq, totals);
+  else block_totals<high_bits(Type), 1, R>(g, xq, totals);
+  const __m256 d = fp16x8(g + values_bytes(Type));
+  for (int r = 0; r < R; ++r) {
+    const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x.scale[x.at(row + r, a)]));
+    s.acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals[r][0]), scale, s.acc[r]);
+  }
+  if constexpr (Type != GGML_Q8_0) {
+    __m256 m;
+    if constexpr (stored_offset(Type)) m = fp16x8(g + values_bytes(Type) + 2 * GROUP);
+    else m = _mm256_mul_ps(d, _mm256_set1_ps(-centre(Type)));
+    for (int r = 0; r < R; ++r)
+      s.off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum[x.at(row + r, a)]), s.off[r]);
+  }
+}
+
+// A Q4_K superblock g, activation blocks a..a+7; per sub-block j:
+// acc += d s_j dx sum q xq, off -= dmin m_j dx sum xq.
+template <int R>
+inline void q4k_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a, Sums<R>& s) {
+  const __m256 d = fp16x8(g), dmin = fp16x8(g + 2 * GROUP);
+  const uint8_t* scales = g + 4 * GROUP;
+  const uint8_t* mins = scales + SUBS * GROUP;
+  const uint8_t* values = g + header_bytes(GGML_Q4_K);
+  for (int64_t j = 0; j < SUBS; ++j, values += values_bytes(GGML_Q4_K)) {
+    const int16_t* xq[R];
+    for (int r = 0; r < R; ++r) xq[r] = x.values(row + r, a + j);
+    __m256i totals[R][1];
+    block_totals<0, 1, R>(values, xq, totals);
+    const __m256 scale = _mm256_mul_ps(d, u8x8(scales + j * GROUP));
+    const __m256 min = _mm256_mul_ps(dmin, u8x8(mins + j * GROUP));
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = x.at(row + r, a + j);
+      const __m256 dx_scale = _mm256_mul_ps(scale, _mm256_set1_ps(x.scale[i]));
+      s.acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals[r][0]), dx_scale, s.acc[r]);
+      s.off[r] = _mm256_fnmadd_ps(min, _mm256_set1_ps(x.scaled_sum[i]), s.off[r]);
+    }
+  }
+}
+
+// A Q6_K superblock g, activation blocks a..a+7, each two sub-blocks A, B of 16 weights:
+// acc += d dx (s_A (sum_A q xq - 32 sum_A xq) + s_B (sum_B q xq - 32 sum_B xq)).
+template <int R>
+inline void q6k_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a, Sums<R>& s) {
+  const __m256 d = fp16x8(g);
+  const uint8_t* scales = g + 2 * GROUP;
+  const uint8_t* values = g + header_bytes(GGML_Q6_K);
+  for (int64_t j = 0; j < SUBS; ++j, values += values_bytes(GGML_Q6_K)) {
+    const int16_t* xq[R];
+    for (int r = 0; r < R; ++r) xq[r] = x.values(row + r, a + j);
+    __m256i totals[R][2];
+    block_totals<2, 2, R>(values, xq, totals);
+    const __m256 scale[2] = {_mm256_mul_ps(d, i8x8(scales + 2 * j * GROUP)),
+                             _mm256_mul_ps(d, i8x8(scales + (2 * j + 1) * GROUP))};
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = x.at(row + r, a + j);
+      __m256 sum = _mm256_setzero_ps();
+      for (int half = 0; half < 2; ++half) {
+        const int32_t offset = centre(GGML_Q6_K) * x.half_sums[2 * i + half];
+        const __m256i centred = _mm256_sub_epi32(totals[r][half], _mm256_set1_epi32(offset));
+        sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), scale[half], sum);
+      }
+      s.acc[r] = _mm256_fmadd_ps(sum, _mm256_set1_ps(x.scale[i]), s.acc[r]);
+    }
+  }
+}
+
 // One group's 8 outputs for activation rows row..row+R-1: y[r * ld + c] (no bias).
 template <int64_t Type, int R>
 void group_rows(const uint8_t* g, const QuantRows& x, int64_t row, float* y, int64_t ld) {
-  __m256 acc[R], off[R];
-  for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_ps();
-  const int64_t k = x.blocks * QK;
-  for (int64_t b = 0; b < x.blocks; ++b, g += group_bytes(Type)) {
+  Sums<R> s;
+  for (int r = 0; r < R; ++r) s.acc[r] = s.off[r] = _mm256_setzero_ps();
+  constexpr int64_t step = block_weights(Type) / QK;  // activation blocks per GGUF block
+  for (int64_t a = 0; a < x.blocks; a += step, g += group_bytes(Type)) {
     for (int64_t line = 0; line < group_bytes(Type); line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(g + PREFETCH_BYTES + line), _MM_HINT_T0);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(
-        reinterpret_cast<const __m128i*>(g + values_bytes(Type))));
-    const int16_t* xq[R];  // evens, then odds
-    for (int r = 0; r < R; ++r) xq[r] = x.q.data() + (row + r) * k + b * QK;
-    __m256i totals[R];
-    if constexpr (four_bit(Type)) {
-      // 16-bit lane i of pair p's 32 bytes: bytes 2i, 2i + 1 of column p (lanes 0-7) or
-      // p + 4 (8-15), whose nibbles are values 2i, 2i + 1 (low) and 2i + 16, 2i + 17 (high)
-      const __m256i nibble = _mm256_set1_epi16(0x000F);
-      __m256i xs[R][4];  // x0 x2 .. x14, x1 .. x15, x16 .. x30, x17 .. x31, in both halves
-      for (int r = 0; r < R; ++r)
-        for (int j = 0; j < 4; ++j)
-          xs[r][j] = _mm256_broadcastsi128_si256(_mm_loadu_si128(
-              reinterpret_cast<const __m128i*>(xq[r] + (j % 2) * 16 + (j / 2) * 8)));
-      __m256i halves[R][2];
-      for (int p = 0; p < 4; ++p) {
-        const __m256i raw = load256(g + p * QK);
-        const __m256i w0 = _mm256_and_si256(raw, nibble);
-        const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 8), nibble);
-        const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-        const __m256i w3 = _mm256_srli_epi16(raw, 12);
-        for (int r = 0; r < R; ++r) {
-          // [column p's 4 partial sums | column p + 4's]
-          const __m256i v = _mm256_add_epi32(madd2(w0, xs[r][0], w1, xs[r][1]),
-                                             madd2(w2, xs[r][2], w3, xs[r][3]));
-          halves[r][p / 2] = p % 2 ? _mm256_hadd_epi32(halves[r][p / 2], v) : v;
-        }
-      }
-      for (int r = 0; r < R; ++r)  // [c0 c1 c2 c3 | c4 c5 c6 c7]
-        totals[r] = _mm256_hadd_epi32(halves[r][0], halves[r][1]);
-    } else {
-      // 16-bit lane i of a column's 32 bytes: values 2i (low byte) and 2i + 1
-      __m256i pairs[R][4];
-      for (int c = 0; c < GROUP; ++c) {
-        const __m256i q = load256(g + c * QK);
-        const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(q, 8), 8);
-        const __m256i odd = _mm256_srai_epi16(q, 8);
-        for (int r = 0; r < R; ++r) {
-          const __m256i v = madd2(even, load256(xq[r]), odd, load256(xq[r] + QK / 2));
-          pairs[r][c / 2] = c % 2 ? _mm256_hadd_epi32(pairs[r][c / 2], v) : v;
-        }
-      }
-      for (int r = 0; r < R; ++r) totals[r] = column_totals(pairs[r]);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x.scale[(row + r) * x.blocks + b]));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals[r]), scale, acc[r]);
-    }
-    if constexpr (four_bit(Type)) {
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(g + values_bytes(Type) + 2 * GROUP)));
-      for (int r = 0; r < R; ++r)
-        off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum[(row + r) * x.blocks + b]), off[r]);
-    }
+    if constexpr (Type == GGML_Q4_K) q4k_block<R>(g, x, row, a, s);
+    else if constexpr (Type == GGML_Q6_K) q6k_block<R>(g, x, row, a, s);
+    else small_block<Type, R>(g, x, row, a, s);
   }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ld, _mm256_add_ps(acc[r], off[r]));
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ld, _mm256_add_ps(s.acc[r], s.off[r]));
 }
 
 template <int64_t Type>
 void linear(const QuantRows& x, int64_t rows, const uint8_t* packed, int64_t n, const float* bias,
             const float* residual, float* y) {
-  const int64_t groups = (n + GROUP - 1) / GROUP, stride = x.blocks * group_bytes(Type);
+  const int64_t groups = (n + GROUP - 1) / GROUP;
+  const int64_t stride = x.blocks * QK / block_weights(Type) * group_bytes(Type);
   const int64_t col_jobs = (groups + JOB_GROUPS - 1) / JOB_GROUPS;
   const int64_t row_jobs = (rows + JOB_ROWS - 1) / JOB_ROWS;
   parallel_jobs(col_jobs * row_jobs, [&](int64_t begin, int64_t end) {
@@ -193,6 +379,124 @@ void linear(const QuantRows& x, int64_t rows, const uint8_t* packed, int64_t n, 
   });
 }
 
+// One GGUF block of one column, decoded: its values (unsigned; Q8_0's int8 bits), fp16 d
+// and m (Q4_1, Q5_1: the offset; Q4_K: dmin), and its sub-block scales (Q4_K: 6-bit, with
+// 6-bit mins; Q6_K: int8).
+struct Decoded {
+  uint8_t q[QK_K];
+  uint16_t d, m;
+  uint8_t scales[QK_K / Q6_SUB], mins[SUBS];
+};
+
+// 32 values' low nibbles as the 32-weight types hold them: value j low in byte j, j + 16 high.
+void nibbles(const uint8_t* bytes, uint8_t* q) {
+  for (int64_t j = 0; j < QK / 2; ++j) {
+    q[j] = bytes[j] & 15;
+    q[j + QK / 2] = bytes[j] >> 4;
+  }
+}
+
+void decode_q4k(const uint8_t* src, Decoded& out) {
+  out.d = bits16(src);
+  out.m = bits16(src + 2);
+  // 12 bytes: sub-blocks 0-3's scales and mins in bytes 0-3 and 4-7 (low 6 bits); 4-7's low
+  // 4 bits in bytes 8-11 (scale low nibble, min high), their top 2 in bytes 0-7's top bits
+  const uint8_t* s = src + 4;
+  for (int j = 0; j < 4; ++j) {
+    out.scales[j] = s[j] & 63;
+    out.mins[j] = s[j + 4] & 63;
+    out.scales[j + 4] = (s[j + 8] & 15) | (s[j] >> 6) << 4;
+    out.mins[j + 4] = (s[j + 8] >> 4) | (s[j + 4] >> 6) << 4;
+  }
+  // 64 weights per 32 bytes: the first 32 in the low nibbles, the next 32 in the high
+  const uint8_t* qs = src + 16;
+  for (int c = 0; c < 4; ++c)
+    for (int l = 0; l < 32; ++l) {
+      out.q[64 * c + l] = qs[32 * c + l] & 15;
+      out.q[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+    }
+}
+
+void decode_q6k(const uint8_t* src, Decoded& out) {
+  const uint8_t* ql = src;             // per 128 weights 64 bytes of low nibbles
+  const uint8_t* qh = src + QK_K / 2;  // and 32 bytes of 2-bit highs
+  std::memcpy(out.scales, qh + QK_K / 4, QK_K / Q6_SUB);
+  out.d = bits16(qh + QK_K / 4 + QK_K / Q6_SUB);
+  // weight l + 32 i of a 128: nibble of ql[l + 32 (i % 2)] (low for i < 2), bits 2i of qh[l]
+  for (int h = 0; h < 2; ++h, ql += 64, qh += 32)
+    for (int l = 0; l < 32; ++l)
+      for (int i = 0; i < 4; ++i)
+        out.q[128 * h + 32 * i + l] =
+            ((ql[l + 32 * (i % 2)] >> 4 * (i / 2)) & 15) | ((qh[l] >> 2 * i) & 3) << 4;
+}
+
+template <int64_t Type>
+Decoded decode(const uint8_t* src) {
+  Decoded out{};
+  if constexpr (Type == GGML_Q4_K) {
+    decode_q4k(src, out);
+  } else if constexpr (Type == GGML_Q6_K) {
+    decode_q6k(src, out);
+  } else {
+    out.d = bits16(src);
+    if constexpr (stored_offset(Type)) out.m = bits16(src + 2);
+    const uint8_t* end = src + gguf_bytes(Type);
+    if constexpr (Type == GGML_Q8_0) {
+      std::memcpy(out.q, src + 2, QK);
+    } else {
+      nibbles(end - QK / 2, out.q);
+      if constexpr (high_bits(Type)) {  // 32 fifth bits before the nibbles, value j's bit j
+        uint32_t fifth;
+        std::memcpy(&fifth, end - QK / 2 - 4, 4);
+        for (int j = 0; j < QK; ++j) out.q[j] |= (fifth >> j & 1) << 4;
+      }
+    }
+  }
+  return out;
+}
+
+// Column c's 32 values q (unsigned, 4 + high bits) of one block into a packed block's
+// values, as `expand` reads them. High bits: 32-byte registers of 4 / high rows each; in
+// 16-bit lane i of column c's half (c < 4: lanes 0-7), at bit 2 high (row's place among
+// them), the bits of values 2i (low byte) and 2i + 1 (high byte), then of 2i + 16, 2i + 17.
+void place_values(const uint8_t* q, int high, int64_t c, uint8_t* values) {
+  uint8_t* nib = values + (c % 4) * QK + (c / 4) * (QK / 2);
+  for (int64_t j = 0; j < QK / 2; ++j) nib[j] = (q[j] & 15) | (q[j + QK / 2] & 15) << 4;
+  if (high == 0) return;
+  const int rows = 4 / high, at = 2 * high * (c % 4 % rows);
+  uint8_t* reg = values + NIBBLE_BYTES + c % 4 / rows * QK;
+  for (int i = 0; i < 8; ++i) {
+    uint8_t* lane = reg + 2 * ((c / 4) * 8 + i);
+    for (int b = 0; b < 2; ++b)
+      lane[b] |= (q[2 * i + b] >> 4) << at | (q[2 * i + b + 16] >> 4) << (at + high);
+  }
+}
+
+// A decoded block of column c into its group's packed block o.
+template <int64_t Type>
+void place(const Decoded& b, int64_t c, uint8_t* o) {
+  if constexpr (k_quant(Type)) {
+    std::memcpy(o + 2 * c, &b.d, 2);
+    if constexpr (Type == GGML_Q4_K) {
+      std::memcpy(o + 2 * GROUP + 2 * c, &b.m, 2);
+      for (int64_t j = 0; j < SUBS; ++j) {
+        o[4 * GROUP + j * GROUP + c] = b.scales[j];
+        o[4 * GROUP + (SUBS + j) * GROUP + c] = b.mins[j];
+      }
+    } else {
+      for (int64_t j = 0; j < QK_K / Q6_SUB; ++j) o[2 * GROUP + j * GROUP + c] = b.scales[j];
+    }
+    for (int64_t j = 0; j < SUBS; ++j)
+      place_values(b.q + j * QK, high_bits(Type), c, o + header_bytes(Type) + j * values_bytes(Type));
+  } else {
+    uint8_t* scales = o + values_bytes(Type);
+    std::memcpy(scales + 2 * c, &b.d, 2);
+    if constexpr (stored_offset(Type)) std::memcpy(scales + 2 * GROUP + 2 * c, &b.m, 2);
+    if constexpr (Type == GGML_Q8_0) std::memcpy(o + c * QK, b.q, QK);
+    else place_values(b.q, high_bits(Type), c, o);
+  }
+}
+
 template <int64_t Type>
 void pack(const uint8_t* w, int64_t n, int64_t blocks, uint8_t* out) {
   const int64_t groups = (n + GROUP - 1) / GROUP, row_bytes = blocks * gguf_bytes(Type);
@@ -201,21 +505,8 @@ void pack(const uint8_t* w, int64_t n, int64_t blocks, uint8_t* out) {
       for (int64_t b = 0; b < blocks; ++b) {
         uint8_t* o = out + (g * blocks + b) * group_bytes(Type);
         std::fill(o, o + group_bytes(Type), 0);
-        for (int64_t c = 0; c < std::min(GROUP, n - g * GROUP); ++c) {
-          const uint8_t* src = w + (g * GROUP + c) * row_bytes + b * gguf_bytes(Type);
-          const uint8_t* values = src + gguf_values_at(Type);
-          uint8_t* scales = o + values_bytes(Type);
-          std::memcpy(scales + 2 * c, src, 2);  // d
-          if constexpr (four_bit(Type)) {
-            std::memcpy(o + (c % 4) * QK + (c / 4) * (QK / 2), values, QK / 2);
-            // Q4_0's offset is -8 d
-            uint16_t m = _cvtss_sh(-8.f * fp16(src), 0);
-            if constexpr (Type == GGML_Q4_1) std::memcpy(&m, src + 2, 2);
-            std::memcpy(scales + 2 * GROUP + 2 * c, &m, 2);
-          } else {
-            std::memcpy(o + c * QK, values, QK);
-          }
-        }
+        for (int64_t c = 0; c < std::min(GROUP, n - g * GROUP); ++c)
+          place<Type>(decode<Type>(w + (g * GROUP + c) * row_bytes + b * gguf_bytes(Type)), c, o);
       }
   });
 }
@@ -226,8 +517,13 @@ auto by_type(int64_t type, Fn&& fn) {
     case GGML_Q8_0: return fn(std::integral_constant<int64_t, GGML_Q8_0>{});
     case GGML_Q4_0: return fn(std::integral_constant<int64_t, GGML_Q4_0>{});
     case GGML_Q4_1: return fn(std::integral_constant<int64_t, GGML_Q4_1>{});
+    case GGML_Q5_0: return fn(std::integral_constant<int64_t, GGML_Q5_0>{});
+    case GGML_Q5_1: return fn(std::integral_constant<int64_t, GGML_Q5_1>{});
+    case GGML_Q4_K: return fn(std::integral_constant<int64_t, GGML_Q4_K>{});
+    case GGML_Q6_K: return fn(std::integral_constant<int64_t, GGML_Q6_K>{});
   }
-  TORCH_CHECK(false, "GGML block type ", type, " is not served (Q8_0, Q4_0, Q4_1 are)");
+  TORCH_CHECK(false, "GGML block type ", type,
+              " is not served (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K are)");
   __builtin_unreachable();
 }
 
@@ -261,12 +557,14 @@ Tensor quant_pack(const Tensor& weight, int64_t type) {
 Tensor quant_linear(const Tensor& x, const Tensor& packed, int64_t type, int64_t n,
                     const Tensor& bias, const std::optional<Tensor>& residual) {
   const int64_t rows = x.size(0), k = x.size(1);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat &&
-                  k % QK == 0,
-              "x [M, K] contiguous fp32, K a multiple of 32");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat,
+              "x [M, K] contiguous fp32");
   by_type(type, [&](auto t) {
+    constexpr int64_t T = decltype(t)::value;
+    TORCH_CHECK(k % block_weights(T) == 0, "x's K = ", k, " is not whole blocks of ",
+                block_weights(T), " weights (K-quants' superblocks are 256)");
     TORCH_CHECK(packed.dim() == 2 && packed.size(0) == (n + GROUP - 1) / GROUP &&
-                    packed.size(1) == k / QK * group_bytes(decltype(t)::value),
+                    packed.size(1) == k / block_weights(T) * group_bytes(T),
                 "packed weight does not match [", n, ", ", k, "]");
   });
   TORCH_CHECK(!residual || (residual->is_contiguous() && residual->size(0) == rows &&

@@ -73,8 +73,9 @@ class EngineConfig:
     )
     quantization: str | None = option(
         None,
-        "gguf: multiply the GGUF's quantized blocks (Q8_0, Q4_0, Q4_1) as the file holds "
-        "them, on CPU, instead of expanding them to fp32 (default: full precision)",
+        "gguf: multiply the GGUF's quantized blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, "
+        "Q6_K) as the file holds them, on CPU, instead of expanding them to fp32 (default: "
+        "full precision)",
         choices=QUANTIZATIONS,
     )
     max_num_seqs: int = option(

@@ -87,12 +87,23 @@ _FLOAT_TYPES = (
     gguf.GGMLQuantizationType.F16,
     gguf.GGMLQuantizationType.BF16,
 )
-# GGUF block types the CPU kernels multiply as they are (kernels/cpu/quant.cpp).
-SERVED_BLOCK_TYPES = (
-    gguf.GGMLQuantizationType.Q8_0,
-    gguf.GGMLQuantizationType.Q4_0,
-    gguf.GGMLQuantizationType.Q4_1,
-)
+# GGUF block types the CPU kernels multiply as they are (kernels/cpu/quant.cpp), each with
+# where its blocks keep their fp16 scales (d; Q4_1, Q5_1 also m; Q4_K also dmin): (byte offset
+# in the block, how many). Q4_K's 6-bit sub-block scales and Q6_K's int8 ones are always finite.
+_Q = gguf.GGMLQuantizationType
+FP16_SCALES = {
+    _Q.Q8_0: (0, 1),
+    _Q.Q4_0: (0, 1),
+    _Q.Q4_1: (0, 2),
+    _Q.Q5_0: (0, 1),
+    _Q.Q5_1: (0, 2),
+    _Q.Q4_K: (0, 2),
+    _Q.Q6_K: (gguf.GGML_QUANT_SIZES[_Q.Q6_K][1] - 2, 1),  # d last, after values and scales
+}
+SERVED_BLOCK_TYPES = tuple(FP16_SCALES)
+# Symmetric 32-weight types, w = d (q - centre), that Q8_0 (w = d q, int8 q) holds exactly.
+_CENTRES = {_Q.Q4_0: 8, _Q.Q5_0: 16}
+HELD_BY_Q8_0 = tuple(_CENTRES)
 
 
 def quantized_weights(
@@ -127,10 +138,26 @@ def quantized_weights(
 
 
 def _block_scales(rows: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
-    """The fp16 scale d (and Q4_1's offset m) that begin each block of a served type."""
+    """The fp16 scales of every block of a served type (d, and m or dmin where it has one)."""
     _, block_bytes = gguf.GGML_QUANT_SIZES[kind]
-    count = 2 if kind == gguf.GGMLQuantizationType.Q4_1 else 1
-    return rows.reshape(-1, block_bytes)[:, : 2 * count].copy().view(np.float16)
+    at, count = FP16_SCALES[kind]
+    return rows.reshape(-1, block_bytes)[:, at : at + 2 * count].copy().view(np.float16)
+
+
+def as_q8_0(rows: torch.Tensor, kind: gguf.GGMLQuantizationType) -> torch.Tensor:
+    """Q4_0 or Q5_0 blocks (uint8 [N, row bytes]) as Q8_0 blocks of the same weights exactly:
+    each block's d, then its 32 q - centre as int8 (a fused matmul whose parts mix these
+    with Q8_0 multiplies them all as Q8_0)."""
+    _, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    blocks = rows.numpy().reshape(-1, block_bytes)
+    nibbles = blocks[:, -16:]  # value j in byte j's low nibble, j + 16 in its high one
+    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=1).astype(np.int16)
+    if kind == _Q.Q5_0:  # value j's fifth bit: bit j of the 4 bytes after d
+        fifth = blocks[:, 2:6].copy().view("<u4")
+        q |= ((fifth >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4
+    values = (q - _CENTRES[kind]).astype(np.int8).view(np.uint8)
+    q8_0 = np.concatenate([blocks[:, :2], values], axis=1)
+    return torch.from_numpy(q8_0.reshape(rows.shape[0], -1))
 
 
 def metadata(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:

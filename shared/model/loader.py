@@ -15,7 +15,13 @@ from safetensors.torch import save_file
 from shared.config import QUANTIZATIONS
 from shared.model.attention import get_attention_backend
 from shared.model.config import OFFSET_NORM_ARCHITECTURES, ModelConfig
-from shared.model.gguf_loader import SOURCE_GGUF, load_gguf, quantized_weights
+from shared.model.gguf_loader import (
+    HELD_BY_Q8_0,
+    SOURCE_GGUF,
+    as_q8_0,
+    load_gguf,
+    quantized_weights,
+)
 from shared.model.layers import Linear
 from shared.model.llama import LlamaForCausalLM
 from shared.model.mistral3 import Mistral3Vision
@@ -268,8 +274,8 @@ def _gguf_blocks(
 
 def use_gguf_blocks(model: LlamaForCausalLM, blocks: GgufBlocks) -> None:
     """Give every Linear whose checkpoint weights the GGUF stores quantized (all parts of a
-    fused one in one block type) those blocks, which it multiplies once packed; the others
-    keep their weights."""
+    fused one in one block type, see `_one_block_type`) those blocks, which it multiplies once
+    packed; the others keep their weights."""
     cfg, fused = model.config, fused_slices(model.config)
     for name, module in model.named_modules():
         if not isinstance(module, Linear):
@@ -280,9 +286,25 @@ def use_gguf_blocks(model: LlamaForCausalLM, blocks: GgufBlocks) -> None:
             c if c.startswith("lm_head") else f"model.{c}" for c in checkpoint_names(param, fused)
         ]
         parts = [blocks.get(n) for n in names]
-        if None in parts or len({kind for _, kind in parts}) > 1:
-            continue
-        module.gguf_blocks = (torch.cat([rows for rows, _ in parts]), int(parts[0][1]))
+        if None not in parts:
+            module.gguf_blocks = _one_block_type(parts)
+
+
+def _one_block_type(
+    parts: list[tuple[torch.Tensor, gguf.GGMLQuantizationType]],
+) -> tuple[torch.Tensor, int] | None:
+    """A fused Linear's parts' blocks as one matrix (rows concatenated: a row is whole
+    blocks) in one block type: theirs, or Q8_0 where they mix Q8_0 with types it holds
+    exactly (llama.cpp's Q4_K_M of a model whose rows are not whole 256-weight superblocks
+    falls back to Q5_0 for q/k and Q8_0 for some v). Other mixes (Q4_K with Q6_K): None, the
+    Linear keeps its fp32 weights."""
+    kinds = {kind for _, kind in parts}
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    if len(kinds) > 1:
+        if not kinds <= {q8_0, *HELD_BY_Q8_0}:
+            return None
+        parts = [(rows if kind == q8_0 else as_q8_0(rows, kind), q8_0) for rows, kind in parts]
+    return torch.cat([rows for rows, _ in parts]), int(parts[0][1])
 
 
 def save_model(model: LlamaForCausalLM, path: Path, hf_config: dict[str, Any]) -> None:
