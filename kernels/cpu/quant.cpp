@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "pool.h"
+#include "simd.h"
 
 namespace {
 
@@ -65,6 +66,35 @@ struct QuantRows {
   const int16_t* values(int64_t row, int64_t block) const { return q.data() + at(row, block) * QK; }
 };
 
+// 16 int16 of a and then b's (int32 lanes, |value| < 2^15) in order.
+inline __m256i pack16(__m256i a, __m256i b) {
+  return _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);  // packs works per half
+}
+
+// One block of 32 values v as int16 q (evens first) with scale d: q = round(v / d), d =
+// max |v| / 32767; half[0], half[1]: the sums of q over values 0-15 and 16-31.
+void quantize_block(const float* v, int16_t* q, float& d, int32_t half[2]) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 x[4], top = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    x[j] = _mm256_loadu_ps(v + 8 * j);
+    top = _mm256_max_ps(top, _mm256_andnot_ps(sign, x[j]));
+  }
+  const float amax = hmax(top);
+  d = amax / 32767.f;
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 1.f / d : 0.f);
+  __m256i i[4];  // rounded to nearest even, as nearbyint
+  for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(x[j], inv));
+  half[0] = hsum_epi32(_mm256_add_epi32(i[0], i[1]));
+  half[1] = hsum_epi32(_mm256_add_epi32(i[2], i[3]));
+  // int16 pairs (x0, x1), (x2, x3) ..: evens are each int32 lane's low half, odds its high
+  const __m256i lo = pack16(i[0], i[1]), hi = pack16(i[2], i[3]);
+  const auto evens = [](__m256i w) { return _mm256_srai_epi32(_mm256_slli_epi32(w, 16), 16); };
+  const auto odds = [](__m256i w) { return _mm256_srai_epi32(w, 16); };
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), pack16(evens(lo), evens(hi)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + QK / 2), pack16(odds(lo), odds(hi)));
+}
+
 QuantRows quantize_rows(const float* x, int64_t rows, int64_t k) {
   const int64_t blocks = k / QK;
   QuantRows out{std::vector<int16_t>(rows * k), std::vector<float>(rows * blocks),
@@ -72,17 +102,9 @@ QuantRows quantize_rows(const float* x, int64_t rows, int64_t k) {
                 blocks};
   parallel_jobs(rows, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin * blocks; i < end * blocks; ++i) {  // block i of all rows
-      const float* v = x + i * QK;
-      float amax = 0.f;
-      for (int64_t j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(v[j]));
-      const float d = amax / 32767.f, inv = amax > 0.f ? 1.f / d : 0.f;
-      int16_t* q = out.q.data() + i * QK;
       int32_t* half = out.half_sums.data() + 2 * i;
-      for (int64_t j = 0; j < QK; ++j)
-        half[j / Q6_SUB] += q[j % 2 * (QK / 2) + j / 2] =
-            static_cast<int16_t>(std::nearbyint(v[j] * inv));
-      out.scale[i] = d;
-      out.scaled_sum[i] = d * static_cast<float>(half[0] + half[1]);
+      quantize_block(x + i * QK, out.q.data() + i * QK, out.scale[i], half);
+      out.scaled_sum[i] = out.scale[i] * static_cast<float>(half[0] + half[1]);
     }
   });
   return out;

@@ -16,6 +16,12 @@ inline float hmax(__m256 a) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
 }
 
+inline int32_t hsum_epi32(__m256i a) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  s = _mm_hadd_epi32(s, s);
+  return _mm_cvtsi128_si32(_mm_hadd_epi32(s, s));
+}
+
 // r[0..7] (8 rows of 8 floats) -> their transpose: r[j] holds element j of every row.
 inline void transpose8(__m256 r[8]) {
   __m256 t[8], u[8];
