@@ -509,7 +509,8 @@ void place(const Decoded& b, int64_t c, uint8_t* o) {
       for (int64_t j = 0; j < QK_K / Q6_SUB; ++j) o[2 * GROUP + j * GROUP + c] = b.scales[j];
     }
     for (int64_t j = 0; j < SUBS; ++j)
-      place_values(b.q + j * QK, high_bits(Type), c, o + header_bytes(Type) + j * values_bytes(Type));
+      place_values(b.q + j * QK, high_bits(Type), c,
+                   o + header_bytes(Type) + j * values_bytes(Type));
   } else {
     uint8_t* scales = o + values_bytes(Type);
     std::memcpy(scales + 2 * c, &b.d, 2);
