@@ -1,7 +1,7 @@
 """A GGUF served as it ships: specmesh on its quantized blocks beside llama.cpp on the file.
 
     python benchmarks/bench_quantized.py [--new-tokens 128] [--runs 1] [--concurrency 1,8]
-        [--setups fp32,gguf,llama.cpp,gguf+NGRAM,gguf+EAGLE3,llama.cpp+ngram]
+        [--setups fp32,gguf,llama.cpp,gguf+NGRAM,gguf+EAGLE3,llama.cpp+ngram,int8,int4]
 
 The default model's own GGUF (Q4_1 matrices, a Q8_0 embedding), 10 held-out chat prompts,
 greedy, every answer `--new-tokens` long (ignore_eos), over each server's OpenAI chat API,
@@ -9,7 +9,8 @@ no speculation: `fp32`, `specmesh up` on the weights expanded to fp32 (today's d
 `gguf`, `specmesh up --quantization gguf`; `llama.cpp`, `llama-server` on the same file
 (benchmarks/peers/llama_cpp.sh builds it, cached; `-np` slots as the concurrency, no
 prompt cache); with speculation, `gguf+NGRAM` and `gguf+EAGLE3` (the shipped head) and
-`llama.cpp+ngram` (`--spec-type ngram-mod`). Prints generated tokens/s per setup and
+`llama.cpp+ngram` (`--spec-type ngram-mod`); `int8` and `int4`, the safetensors weights
+quantized at load (`--quantization int8|int4`). Prints generated tokens/s per setup and
 concurrency, and ratios taken within a run (medians over `--runs`); checks that `gguf`
 writes `fp32`'s texts and that speculation on the blocks writes `gguf`'s.
 """
@@ -40,6 +41,8 @@ UP_ARGS = {
     "gguf": GGUF,
     "gguf+NGRAM": (*GGUF, "--speculative-algorithm", "NGRAM"),
     "gguf+EAGLE3": (*GGUF, "--speculative-algorithm", "EAGLE3"),
+    "int8": ("--quantization", "int8"),
+    "int4": ("--quantization", "int4"),
 }
 LLAMA_ARGS = {"llama.cpp": (), "llama.cpp+ngram": ("--spec-type", "ngram-mod")}
 
@@ -82,7 +85,7 @@ def main() -> None:
                     print(f"  {setup}'s texts equal {reference}'s: {same} of {len(PROMPTS)}")
         for setup, values in speeds.items():
             print(f"concurrency {concurrency}: {setup} median {statistics.median(values):.1f}")
-        pairs = [("gguf", "fp32"), ("gguf", "llama.cpp")]
+        pairs = [("gguf", "fp32"), ("int8", "fp32"), ("int4", "fp32"), ("gguf", "llama.cpp")]
         pairs += [(f"gguf+{a}", f"llama.cpp+{b}") for a, b in (("NGRAM", "ngram"),)]
         pairs += [(f"gguf+{a}", "llama.cpp") for a in ("NGRAM", "EAGLE3")]
         for a, b in pairs:
