@@ -321,6 +321,7 @@ def refused(path: Path, message: str, quantization: str | None = None, **kw: obj
         )
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast")  # the NaN weight
 def test_refused_before_serving(tmp_path: Path) -> None:
     """Unknown methods, methods the checkpoint contradicts or the device cannot run, groups
     not a multiple of 32, act-order GPTQ, other bit widths and layouts, non-finite scales
