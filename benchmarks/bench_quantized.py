@@ -1,8 +1,8 @@
 """A GGUF served as it ships: specmesh on its quantized blocks beside llama.cpp on the file.
 
     python benchmarks/bench_quantized.py [--new-tokens 128] [--runs 1] [--concurrency 1,8,32]
-        [--setups fp32,gguf,llama.cpp,gguf+NGRAM,gguf+EAGLE3,llama.cpp+ngram,llama.cpp+eagle3]
-        [--plot docs/plots/quantized.svg]
+        [--setups fp32,gguf,llama.cpp,gguf+NGRAM,gguf+EAGLE3,llama.cpp+ngram,llama.cpp+eagle3,
+        int8,int4] [--plot docs/plots/quantized.svg]
 
 The default model's own GGUF (Q4_1 matrices, a Q8_0 embedding), held-out chat prompts (10,
 or as many as the concurrency, cycling the 24), greedy, every answer `--new-tokens` long
@@ -12,7 +12,8 @@ the weights expanded to fp32 (today's default); `gguf`, `specmesh up --quantizat
 cached; `-np` slots as the concurrency, no prompt cache); with speculation, `gguf+NGRAM` and
 `gguf+EAGLE3` (the shipped head), `llama.cpp+ngram` (`--spec-type ngram-mod`) and
 `llama.cpp+eagle3` (`--spec-type draft-eagle3`, the shipped head converted by llama.cpp's
-`convert_hf_to_gguf.py --target-model-dir`). Prints generated tokens/s per setup and
+`convert_hf_to_gguf.py --target-model-dir`); `int8` and `int4`, the safetensors weights
+quantized at load (`--quantization int8|int4`). Prints generated tokens/s per setup and
 concurrency, and ratios taken within a run (medians over `--runs`); checks that `gguf`
 writes `fp32`'s texts and that speculation on the blocks writes `gguf`'s. `--plot` draws
 tokens/s per setup and concurrency (matplotlib, the `bench` extra).
@@ -46,6 +47,8 @@ UP_ARGS = {
     "gguf": GGUF,
     "gguf+NGRAM": (*GGUF, "--speculative-algorithm", "NGRAM"),
     "gguf+EAGLE3": (*GGUF, "--speculative-algorithm", "EAGLE3"),
+    "int8": ("--quantization", "int8"),
+    "int4": ("--quantization", "int4"),
 }
 LLAMA_ARGS = {
     "llama.cpp": (),
@@ -55,6 +58,8 @@ LLAMA_ARGS = {
 # Setups compared in each run: ours over llama.cpp's, with and without speculation.
 RATIOS = [
     ("gguf", "fp32"),
+    ("int8", "fp32"),
+    ("int4", "fp32"),
     ("gguf", "llama.cpp"),
     ("gguf+NGRAM", "llama.cpp+ngram"),
     ("gguf+EAGLE3", "llama.cpp+eagle3"),

@@ -1,11 +1,11 @@
 """The base step against the machine's limit, side by side in one run.
 
     python benchmarks/bench_step.py [--model DIR] [--runs 7] [--context 300]
-        [--new-tokens 32] [--services] [--quantization gguf]
+        [--new-tokens 32] [--services] [--quantization gguf|int8|int4]
 
 Prints, each a median over `--runs` interleaved rounds:
 - the memory-read floor: the bytes of weights a decode step must read (as the kernels
-  hold them: fp32 column blocks, or with `--quantization gguf` the file's blocks), over
+  hold them: fp32 column blocks, or with `--quantization` their blocks), over
   the read bandwidth a plain sum over a 512 MB buffer reaches in this process;
 - our forward step at batch 1, 8 and 32 (one new token per sequence over
   `--context` cached tokens), and its ratio to the floor; beside it the same step
@@ -144,7 +144,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--services", action="store_true")
-    parser.add_argument("--quantization", default=None, help="gguf: the engine on its blocks")
+    parser.add_argument(
+        "--quantization", default=None, help="gguf, int8, int4: the engine on those blocks"
+    )
     args = parser.parse_args()
     model_dir = args.model or str(fetch_default_model())
 

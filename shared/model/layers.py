@@ -9,25 +9,30 @@ from torch import nn
 
 from kernels.cpu import load as load_cpu_kernels
 from shared.model.config import ModelConfig
+from shared.model.fp8 import fp8_linear
 
 
 class Linear(nn.Linear):
     """nn.Linear that, once packed for inference, multiplies through the CPU kernels: its
-    weight in column blocks (kernels/cpu/matmul.cpp) or, given the blocks of a GGUF
-    (`gguf_blocks`), those blocks, never expanded (kernels/cpu/quant.cpp)."""
+    weight in column blocks (kernels/cpu/matmul.cpp) or, given quantized blocks in GGUF's
+    layout (`quant_blocks`: a GGUF's own, or made at load by shared/model/quantize.py),
+    those blocks, never expanded (kernels/cpu/quant.cpp). With `weight_scale` its weight is
+    fp8 (shared/model/fp8.py)."""
 
     packed: torch.Tensor | None = None
     block_type = 0  # of `packed`: 0 for fp32 column blocks, else a GGML block type
-    # (uint8 [out_features, row bytes] as the GGUF holds them, GGML block type): set by
+    # (uint8 [out_features, row bytes] in GGUF's block layout, GGML block type): set by
     # the loader to multiply these instead of the weight
-    gguf_blocks: tuple[torch.Tensor, int] | None = None
+    quant_blocks: tuple[torch.Tensor, int] | None = None
+    # fp32 [out_features]: the weight is float8_e4m3fn, row n scaled by weight_scale[n]
+    weight_scale: torch.Tensor | None = None
 
     def pack(self, keep_weight: bool) -> None:
-        """Inference only (the packed path has no autograd): GGUF blocks, or the weight in
-        fp32 on CPU, where it is measured."""
+        """Inference only (the packed path has no autograd): quantized blocks, or the
+        weight in fp32 on CPU, where it is measured."""
         weight = self.weight
-        if self.gguf_blocks is not None:
-            self._pack_gguf_blocks()
+        if self.quant_blocks is not None:
+            self._pack_quant_blocks()
         elif weight.device.type != "cpu" or weight.dtype != torch.float32:
             return
         elif (kernel := load_cpu_kernels()) is not None:
@@ -37,15 +42,17 @@ class Linear(nn.Linear):
         if not keep_weight:
             self.weight = None
 
-    def _pack_gguf_blocks(self) -> None:
+    def _pack_quant_blocks(self) -> None:
         kernel = load_cpu_kernels()
         if kernel is None:
-            raise RuntimeError("GGUF blocks are multiplied by the CPU kernels: none built here")
-        blocks, self.block_type = self.gguf_blocks
+            raise RuntimeError("quantized blocks need the CPU kernels: none were built here")
+        blocks, self.block_type = self.quant_blocks
         self.packed = kernel.quant_pack(blocks, self.block_type)
-        self.gguf_blocks = None
+        self.quant_blocks = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         bias = torch.empty(0) if self.bias is None else self.bias

@@ -12,8 +12,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shared.config import QUANTIZATIONS
+from shared.config import QUANTIZED_AT_LOAD
 from shared.model.attention import get_attention_backend
+from shared.model.awq_gptq import Int4Layout, int4_weights
 from shared.model.config import OFFSET_NORM_ARCHITECTURES, ModelConfig
 from shared.model.gguf_loader import (
     HELD_BY_Q8_0,
@@ -26,6 +27,13 @@ from shared.model.layers import Linear
 from shared.model.llama import LlamaForCausalLM
 from shared.model.mistral3 import Mistral3Vision
 from shared.model.mistral3 import parameter_name as mistral3_parameter_name
+from shared.model.quantize import (
+    INT4_CHECKPOINTS,
+    QuantBlocks,
+    quantization_config,
+    quantize_linears,
+    served_quantization,
+)
 
 
 def _safetensors_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -211,10 +219,18 @@ def load_model(
     attention_backend: str = "torch",
     quantization: str | None = None,
 ) -> LlamaForCausalLM:
-    """`quantization` "gguf": the Linears multiply the GGUF's blocks as the file holds them
-    (`path` a .gguf file, or a directory converted from one, which keeps it)."""
-    blocks = _gguf_blocks(Path(path), quantization, device, dtype) if quantization else {}
-    cfg, tensors = _read_checkpoint(Path(path))
+    """`quantization` (checked before anything loads, shared/model/quantize.py): "gguf"
+    multiplies the GGUF's blocks as the file holds them (`path` a .gguf file, or a directory
+    converted from one, which keeps it); "awq"/"gptq", or unset for a checkpoint whose
+    config.json declares either, their int4 groups as Q4_1 blocks (awq_gptq.py);
+    "int8"/"int4"/"fp8" quantize the loaded weights."""
+    path = Path(path)
+    method = served_quantization(path, quantization, device, dtype)
+    blocks = _gguf_blocks(path) if method == "gguf" else {}
+    cfg, tensors = _read_checkpoint(path)
+    if method in INT4_CHECKPOINTS:
+        layout = Int4Layout.from_config(method, quantization_config(path) or {})
+        tensors = int4_weights(tensors, layout, blocks)
     backend = get_attention_backend(attention_backend, cfg, device, dtype)  # on the real device
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend)
@@ -244,25 +260,15 @@ def load_model(
         more = " ..." if len(missing) > 5 else ""
         raise ValueError(f"checkpoint lacks weights for {missing[:5]}{more}")
     if blocks:
-        use_gguf_blocks(model, blocks)
+        use_quant_blocks(model, blocks)
+    if method in QUANTIZED_AT_LOAD:
+        quantize_linears(model, method)
     return model.eval()
 
 
-GgufBlocks = dict[str, tuple[torch.Tensor, gguf.GGMLQuantizationType]]
-
-
-def _gguf_blocks(
-    path: Path, quantization: str, device: torch.device, dtype: torch.dtype
-) -> GgufBlocks:
-    """The quantized matrices `--quantization` serves, checked before anything loads: from
-    `path` itself (a .gguf) or the GGUF its conversion kept."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"unknown --quantization {quantization!r} (served: {QUANTIZATIONS})")
-    if device.type != "cpu" or dtype != torch.float32:
-        raise ValueError(
-            f"--quantization gguf runs on CPU with fp32 activations (kernels/cpu/quant.cpp), "
-            f"not on {device} in {dtype}"
-        )
+def _gguf_blocks(path: Path) -> QuantBlocks:
+    """The quantized matrices `--quantization gguf` serves, checked before anything loads:
+    from `path` itself (a .gguf) or the GGUF its conversion kept."""
     source = path if path.suffix == ".gguf" else path / SOURCE_GGUF
     if not source.is_file():
         raise ValueError(
@@ -272,10 +278,10 @@ def _gguf_blocks(
     return quantized_weights(gguf.GGUFReader(source))
 
 
-def use_gguf_blocks(model: LlamaForCausalLM, blocks: GgufBlocks) -> None:
-    """Give every Linear whose checkpoint weights the GGUF stores quantized (all parts of a
-    fused one in one block type, see `_one_block_type`) those blocks, which it multiplies once
-    packed; the others keep their weights."""
+def use_quant_blocks(model: LlamaForCausalLM, blocks: QuantBlocks) -> None:
+    """Give every Linear whose checkpoint weights `blocks` holds (all parts of a fused one
+    in one block type, see `_one_block_type`) those blocks, which it multiplies once packed;
+    the others keep their weights."""
     cfg, fused = model.config, fused_slices(model.config)
     for name, module in model.named_modules():
         if not isinstance(module, Linear):
@@ -287,7 +293,7 @@ def use_gguf_blocks(model: LlamaForCausalLM, blocks: GgufBlocks) -> None:
         ]
         parts = [blocks.get(n) for n in names]
         if None not in parts:
-            module.gguf_blocks = _one_block_type(parts)
+            module.quant_blocks = _one_block_type(parts)
 
 
 def _one_block_type(

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.config import DEFAULT_MODEL_NAME, option
+from shared.config import DEFAULT_MODEL_NAME, QUANTIZATIONS, QUANTIZED_AT_LOAD, option
 
 ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN", "DFLASH")
 ALIASES = {"MTP": "NEXTN"}  # SGLang's names for the same algorithm
@@ -55,6 +55,13 @@ class SpeculativeConfig:
         "target's own) or block draft (DFLASH); unset on the default model: the drafter "
         "trained for it that ships with specmesh",
         aliases=("--speculative-draft-model",),
+    )
+    speculative_draft_model_quantization: str | None = option(
+        None,
+        "as SGLang: the drafter's weight-only quantization, as --quantization's (EAGLE, "
+        "EAGLE3, NEXTN, DFLASH: int8, int4 or fp8 made at load; STANDALONE: any; unset: "
+        "full precision, or what the draft checkpoint declares)",
+        choices=QUANTIZATIONS,
     )
     speculative_num_steps: int | None = option(None, "draft depth (unset: chosen automatically)")
     speculative_eagle_topk: int | None = option(None, "branching per draft step (1 = chain)")
@@ -124,6 +131,7 @@ class SpeculativeConfig:
             raise ValueError("NGRAM drafts from the context; it takes no draft model")
         if self.speculative_token_map and algo == "NGRAM":
             raise ValueError("--speculative-token-map restricts a draft LM head; NGRAM has none")
+        self._check_draft_quantization(algo)
         if self.speculative_ngram_match_type.upper() not in ("BFS", "PROB"):
             raise ValueError("--speculative-ngram-match-type must be BFS or PROB")
         for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
@@ -180,6 +188,21 @@ class SpeculativeConfig:
             speculative_ngram_match_type=self.speculative_ngram_match_type.upper(),
         )
         return SpeculativeConfig(**values)
+
+    def _check_draft_quantization(self, algo: str) -> None:
+        """Heads and block drafts are quantized from their loaded weights; only STANDALONE
+        drafts load as the target does (a GGUF's or AWQ/GPTQ checkpoint's blocks too)."""
+        quant = self.speculative_draft_model_quantization
+        if quant is None or algo == "STANDALONE":
+            return
+        if algo == "NGRAM":
+            raise ValueError("NGRAM drafts from the context; it has no draft model to quantize")
+        if quant not in QUANTIZED_AT_LOAD:
+            raise ValueError(
+                f"--speculative-draft-model-quantization {quant}: {algo} drafters are "
+                f"quantized at load ({', '.join(QUANTIZED_AT_LOAD)}); gguf, awq and gptq "
+                f"checkpoints load as STANDALONE drafts only"
+            )
 
     def _dflash_shape(self, draft: str) -> tuple[int, int, int]:
         """(num_steps, topk, num_draft_tokens) of a DFLASH block: one chain of block - 1

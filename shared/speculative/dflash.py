@@ -35,6 +35,7 @@ from shared.model.config import ModelConfig
 from shared.model.layers import MLP, Linear, RMSNorm, pack_linears
 from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import checkpoint_names, copy_into, split_fused
+from shared.model.quantize import quantize_drafter
 from shared.model.rope import apply_rope, rope_cos_sin
 from shared.speculative.config import SpeculativeConfig, trained_block_size
 from shared.speculative.drafter import DraftRequest, LocalDrafter
@@ -325,6 +326,7 @@ class DFlashDrafter(LocalDrafter):
         device, dtype = weight.device, weight.dtype
         path = Path(cfg.speculative_draft_model_path)
         self.draft = load_dflash(path, target.config).to(device, dtype).eval()
+        quantize_drafter(self.draft, cfg.speculative_draft_model_quantization)
         pack_linears(self.draft)
         spec = self.draft.spec
         self.block_size = cfg.speculative_num_draft_tokens  # at most spec's (resolved() checks)

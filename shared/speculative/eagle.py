@@ -50,6 +50,7 @@ from shared.model.loader import (
     wanted_names,
 )
 from shared.model.moe import MoE
+from shared.model.quantize import quantize_drafter
 from shared.model.rope import rope_cos_sin
 from shared.speculative.config import SpeculativeConfig
 from shared.speculative.drafter import DraftRequest, LocalDrafter, target_feature_layers
@@ -422,8 +423,10 @@ class EagleDrafter(LocalDrafter):
         weight = target.embed_tokens.weight
         device, dtype = weight.device, weight.dtype
         self.algorithm, self.token_map = cfg.speculative_algorithm, cfg.speculative_token_map
+        self.quantization = cfg.speculative_draft_model_quantization
         head, spec, embed = load_head(path, self.algorithm, target)
         self.head = head.to(device, dtype).eval()
+        quantize_drafter(self.head, self.quantization)
         self.embed = embed.to(device, dtype) if embed is not None else weight
         self.target = target
         self.target_features = spec.target_features
@@ -483,6 +486,7 @@ class EagleDrafter(LocalDrafter):
             )
         weight = self.target.embed_tokens.weight
         head = head.to(weight.device, weight.dtype).eval()
+        quantize_drafter(head, self.quantization)
         pack_linears(head)
         return head
 

@@ -26,6 +26,7 @@ from shared.model.attention import SequenceSpan
 from shared.model.layers import Linear
 from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import load_model
+from shared.model.quantize import DRAFT_OPTION, served_quantization
 from shared.runner.model_runner import ModelRunner
 from shared.sampling.params import SamplingParams
 from shared.speculative.config import SpeculativeConfig
@@ -110,7 +111,10 @@ class DraftModelDrafter(LocalDrafter):
     ) -> None:
         weight = target.embed_tokens.weight
         device, dtype = weight.device, weight.dtype
-        model = load_model(cfg.speculative_draft_model_path, device, dtype)
+        path = Path(cfg.speculative_draft_model_path)
+        quantization = cfg.speculative_draft_model_quantization
+        served_quantization(path, quantization, device, dtype, DRAFT_OPTION)  # errors name it
+        model = load_model(path, device, dtype, quantization=quantization)
         if model.config.vocab_size > target.config.vocab_size:
             raise ValueError(
                 f"the draft model's vocabulary ({model.config.vocab_size}) is larger than the "
