@@ -153,3 +153,16 @@ def gguf_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf's LlamaModel.permute (applied to Q and K rows of llama files)."""
     half = weight.shape[0] // n_head // 2
     return weight.reshape(n_head, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def add_llama_metadata(writer: Any, config: Any) -> None:
+    """The llama-family metadata a GGUF of a transformers model `config` carries (what
+    convert_hf_to_gguf writes; `writer` a gguf.GGUFWriter)."""
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])

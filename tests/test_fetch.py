@@ -10,7 +10,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from helpers import gguf_permute
+from helpers import add_llama_metadata, gguf_permute
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -180,14 +180,7 @@ def _write_gguf(
 ) -> None:
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    add_llama_metadata(writer, config)
     if extra is not None:
         extra(writer, config)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)

@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers import gguf_permute
+from helpers import add_llama_metadata, gguf_permute
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kernels.cpu import load
@@ -78,14 +78,7 @@ def write_gguf(path: Path, blocks_of: BlocksOf, config: LlamaConfig = TINY) -> P
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    add_llama_metadata(writer, config)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight":
