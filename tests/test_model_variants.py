@@ -33,6 +33,7 @@ from transformers import (
 from shared.kvcache.kv_cache import KVCache
 from shared.model.attention import SequenceSpan, TorchAttention
 from shared.model.config import ModelConfig
+from shared.model.llama import LlamaForCausalLM as OurLlama
 from shared.model.loader import load_model
 from shared.model.rope import rope_cos_sin
 from shared.runner.model_runner import ModelRunner
@@ -503,3 +504,13 @@ def test_unexpected_tensor_is_rejected(tmp_path: Path) -> None:
     save_file(state, weights)
     with pytest.raises(ValueError, match="o_proj.bias"):
         load_model(path, CPU, torch.float32)
+
+
+def test_rope_tables_live_with_the_weights() -> None:
+    """A model built on the meta device and given storage elsewhere (as the loader does for
+    CUDA) keeps its rope tables there too: indexing CPU tables with device positions fails."""
+    with torch.device("meta"):
+        model = OurLlama(ModelConfig.from_hf(_hf_config_dict()), TorchAttention())
+    model.materialize(torch.device("meta"), torch.bfloat16)
+    assert model.rope_cos.device.type == model.rope_sin.device.type == "meta"
+    assert model.rope_cos.dtype == torch.bfloat16

@@ -244,8 +244,11 @@ def test_fp8_weights_match_their_dequantized_weights(tmp_path: Path) -> None:
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_fp8_on_cuda_matches_its_dequantized_weights(tmp_path: Path) -> None:
     """--quantization fp8 through the loader on CUDA in bf16, against the e4m3 rows expanded
-    and served in bf16: logits within bf16's rounding of the expanded weights (2^-8 each)."""
-    state, cuda = tiny_state(), torch.device("cuda")
+    and served in bf16: logits within bf16's rounding of the expanded weights (2^-8 each).
+    The weights are bf16 to start with (as a bf16 checkpoint's are): the loader rounds to
+    the model's dtype before quantizing, and e4m3 rows made from other values differ."""
+    state = {name: t.bfloat16().float() for name, t in tiny_state().items()}
+    cuda = torch.device("cuda")
     model = load_model(write(tmp_path / "full", state), cuda, torch.bfloat16, quantization="fp8")
     assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
     ours = ModelRunner(model, KVCache(model.config, 16, 4, cuda, torch.bfloat16))

@@ -189,6 +189,7 @@ def _attention_kernel(
         kv_ok = pos_ok[:, None] & (d < head_dim)[None, :]
         k = tl.load(k_ptr + kv_off, kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_R, BLOCK_N]
+        s = s.to(tl.float32)  # torch.compile passes the float `scale` as fp64
         seen = _visible(pos, pos_ok, token, row_ok, cached, new, mask_offset, masks_ptr)
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))

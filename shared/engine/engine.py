@@ -566,7 +566,9 @@ class LLMEngine:
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
     ) -> list[list[int]]:
-        """Run prompts to completion (tests, benchmarks). Returns generated token ids."""
+        """Run prompts to completion (tests, benchmarks). Returns generated token ids;
+        raises if a step failed any of them (their partial outputs would pass for short
+        answers)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"generate-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
@@ -576,4 +578,9 @@ class LLMEngine:
             for o in self.step():
                 if o.request_id in results:
                     results[o.request_id].append(o.token_id)
+        failed = {rid: self.failed.pop(rid) for rid in ids if rid in self.failed}
+        if failed:
+            rid, exc = next(iter(failed.items()))
+            message = f"{len(failed)} of {len(ids)} requests failed ({rid}: {exc!r})"
+            raise RuntimeError(message) from exc
         return [results[rid] for rid in ids]

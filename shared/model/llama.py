@@ -142,9 +142,9 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope_cos_sin(
             cfg.rope_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling
         )
-        dtype = self.embed_tokens.weight.dtype
-        self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
-        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
+        weight = self.embed_tokens.weight  # the tables live where and as the weights do
+        self.register_buffer("rope_cos", cos.to(weight.device, weight.dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(weight.device, weight.dtype), persistent=False)
 
     def forward(
         self,

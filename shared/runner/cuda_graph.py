@@ -116,11 +116,10 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_bs)
         self.forward = model.forward
         if torch_compile:
-            import torch._dynamo
+            from torch._dynamo import config as dynamo
 
             # one static-shape compilation per capture size, beyond dynamo's default limit
-            limit = torch._dynamo.config.recompile_limit
-            torch._dynamo.config.recompile_limit = max(limit, 2 * len(self.sizes))
+            dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * len(self.sizes))
             self.forward = torch.compile(model.forward, mode="max-autotune-no-cudagraphs")
         self.steps: dict[tuple[int, tuple[int, ...]], StaticStep] = {}
         self.pool = torch.cuda.graph_pool_handle()
