@@ -1,7 +1,7 @@
 """The base step against the machine's limit, side by side in one run.
 
     python benchmarks/bench_step.py [--model DIR] [--runs 7] [--context 300]
-        [--new-tokens 32] [--services] [--quantization gguf|int8|int4]
+        [--new-tokens 32] [--services] [--quantization gguf|int8|int4|bf16]
 
 Prints, each a median over `--runs` interleaved rounds:
 - the memory-read floor: the bytes of weights a decode step must read (as the kernels
@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--services", action="store_true")
     parser.add_argument(
-        "--quantization", default=None, help="gguf, int8, int4: the engine on those blocks"
+        "--quantization", default=None, help="gguf, int8, int4, bf16: the engine on those blocks"
     )
     args = parser.parse_args()
     model_dir = args.model or str(fetch_default_model())

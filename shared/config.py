@@ -106,8 +106,8 @@ def resolve_kv_cache_dtype(
 # gguf, awq and gptq read pre-quantized weights, fp8 quantizes at load on CUDA. SGLang's
 # --quantization has no weight-only int8/int4 (its w8a8_int8 quantizes activations too; its
 # --torchao-config int8wo / int4wo-32 are weight-only, on GPU): here they are int8 and int4.
-QUANTIZATIONS = ("gguf", "awq", "gptq", "int8", "int4", "fp8")
-QUANTIZED_AT_LOAD = ("int8", "int4", "fp8")  # made from a full-precision checkpoint
+QUANTIZATIONS = ("gguf", "awq", "gptq", "int8", "int4", "bf16", "fp8")
+QUANTIZED_AT_LOAD = ("int8", "int4", "bf16", "fp8")  # made from a full-precision checkpoint
 
 T = TypeVar("T")
 

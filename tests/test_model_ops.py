@@ -51,6 +51,20 @@ def test_blocked_linear_adds_the_residual() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 12, 33])  # 12, 33: AVX-512's 12-row tiles where present
+def test_bf16_blocks_multiply_their_exact_weights(rows: int) -> None:
+    """bf16 column blocks (`--quantization bf16`) widen each weight exactly: the products
+    and sums are fp32's, as if the bf16 values were fp32 weights."""
+    torch.manual_seed(rows)
+    weight, bias, x = torch.randn(40, 24).bfloat16(), torch.randn(40), torch.randn(rows, 24)
+    kernel = load_cpu_kernels()
+    blocked = kernel.block_weight(weight)
+    assert blocked.dtype == torch.bfloat16 and blocked.shape == (3, 24, 16)
+    got = kernel.blocked_linear(x, blocked, 40, bias, None)
+    torch.testing.assert_close(got, x @ weight.float().T + bias, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
 def test_pack_linears_keeps_lm_heads_and_skips_other_dtypes() -> None:
     model = nn.Module()
     model.proj = Linear(8, 8)

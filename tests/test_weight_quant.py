@@ -86,25 +86,32 @@ def same_model(ours: list[ModelRunner], ref: ModelRunner, max_err: float) -> Non
             assert tokens == ref_tokens
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+# Per method: (the projections' block type, the LM head's).
+AT_LOAD = {"int8": (Q.Q8_0, Q.Q8_0), "int4": (Q.Q4_1, Q.Q8_0), "bf16": (Q.BF16, Q.BF16)}
+
+
+def expand(weight: torch.Tensor, kind: Q) -> torch.Tensor:
+    """What blocks of `kind` made from `weight` hold, in fp32 (gguf-py's codecs)."""
+    if kind == Q.BF16:
+        return weight.bfloat16().float()
+    return torch.from_numpy(
+        gguf.quants.dequantize(gguf.quants.quantize(weight.numpy(), kind), kind)
+    )
+
+
+@pytest.mark.parametrize("method", list(AT_LOAD))
 def test_quantized_at_load_matches_its_dequantized_weights(method: str, tmp_path: Path) -> None:
-    """int8 (Q8_0) and int4 (Q4_1, the LM head Q8_0) made at load, on the fused decoder and
-    the torch path, against a checkpoint of the same blocks expanded by gguf-py."""
+    """int8 (Q8_0), int4 (Q4_1, the LM head Q8_0) and bf16 made at load, on the fused
+    decoder and the torch path, against a checkpoint of the same blocks expanded."""
     state = tiny_state()
-    kinds = {n: Q.Q4_1 if method == "int4" and n != "lm_head.weight" else Q.Q8_0 for n in state}
-    expanded = {
-        n: torch.from_numpy(
-            gguf.quants.dequantize(gguf.quants.quantize(t.numpy(), kinds[n]), kinds[n])
-        )
-        if is_projection(n)
-        else t
-        for n, t in state.items()
-    }
+    kind, head_kind = AT_LOAD[method]
+    kinds = {n: head_kind if n == "lm_head.weight" else kind for n in state}
+    expanded = {n: expand(t, kinds[n]) if is_projection(n) else t for n, t in state.items()}
     path = write(tmp_path / "full", state)
     ours = [runner(path, method), runner(path, method, fused=False)]
     model = ours[0].model
-    assert model.layers[1].mlp.down_proj.block_type == int(Q.Q8_0 if method == "int8" else Q.Q4_1)
-    assert model.lm_head.block_type == int(Q.Q8_0)
+    assert model.layers[1].mlp.down_proj.block_type == int(kind)
+    assert model.lm_head.block_type == int(head_kind)
     same_model(ours, runner(write(tmp_path / "ref", expanded), None), MAX_REL_ERR)
 
 

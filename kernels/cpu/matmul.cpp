@@ -2,7 +2,8 @@
 // (prefill) by the FMA units. One layout serves both: each 16-column block of the weight
 // is read from memory once per call, and up to 6 input rows at a time (12 with AVX-512)
 // are multiplied against it while it sits in cache (a 6x16 AVX2 tile: 12 accumulator
-// registers, 2 weight loads and 6 broadcasts per k).
+// registers, 2 weight loads and 6 broadcasts per k). Weights are fp32 or bf16 (half the
+// bytes to read, widened to fp32 in registers: the products and sums stay fp32).
 #include "matmul.h"
 
 #include <immintrin.h>
@@ -57,6 +58,31 @@ __attribute__((always_inline)) inline void store_row(__m256 lo, __m256 hi, const
     y[c] = tmp[c] + (t.bias ? t.bias[c] : 0.f) + (res ? res[c] : 0.f);
 }
 
+// A block's k-th line of 16 weights as fp32 (bf16 is fp32's upper half: widening is exact).
+inline void load_line(const float* w, int64_t k, __m256& lo, __m256& hi) {
+  lo = _mm256_load_ps(w + k * COLS);
+  hi = _mm256_load_ps(w + k * COLS + 8);
+}
+
+inline __m256 widen_bf16(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline void load_line(const uint16_t* w, int64_t k, __m256& lo, __m256& hi) {
+  const __m256i line = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + k * COLS));
+  lo = widen_bf16(_mm256_castsi256_si128(line));
+  hi = widen_bf16(_mm256_extracti128_si256(line, 1));
+}
+
+__attribute__((target("avx512f"))) inline __m512 load_line512(const float* w, int64_t k) {
+  return _mm512_load_ps(w + k * COLS);
+}
+
+__attribute__((target("avx512f"))) inline __m512 load_line512(const uint16_t* w, int64_t k) {
+  const __m256i line = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + k * COLS));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(line), 16));
+}
+
 // Accumulators are named variables, not an array: GCC keeps an array of them in memory
 // and stores it back every k.
 #define TILE_ROW(r)                                   \
@@ -68,14 +94,15 @@ __attribute__((always_inline)) inline void store_row(__m256 lo, __m256 hi, const
 #define TILE_STORE(r) \
   if constexpr (R > r) store_row(a##r##0, a##r##1, t, r);
 
-// R rows of x [R, K] times one block w [K, 16].
-template <int R>
-void tile(const float* x, const float* w, int64_t K, const Target& t) {
+// R rows of x [R, K] times one block w [K, 16] (W: float or bf16 bits).
+template <int R, typename W>
+void tile(const float* x, const W* w, int64_t K, const Target& t) {
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
          a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
   for (int64_t k = 0; k < K; ++k) {
     _mm_prefetch(reinterpret_cast<const char*>(w + (k + PREFETCH_K) * COLS), _MM_HINT_T0);
-    const __m256 w0 = _mm256_load_ps(w + k * COLS), w1 = _mm256_load_ps(w + k * COLS + 8);
+    __m256 w0, w1;
+    load_line(w, k, w0, w1);
     TILE_ROW(0) TILE_ROW(1) TILE_ROW(2) TILE_ROW(3) TILE_ROW(4) TILE_ROW(5)
   }
   TILE_STORE(0) TILE_STORE(1) TILE_STORE(2) TILE_STORE(3) TILE_STORE(4) TILE_STORE(5)
@@ -90,14 +117,14 @@ void tile(const float* x, const float* w, int64_t K, const Target& t) {
     store_row(_mm512_castps512_ps256(a##r),                                               \
               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a##r), 1)), t, r);
 
-template <int R>
-__attribute__((target("avx512f"))) void tile512(const float* x, const float* w, int64_t K,
+template <int R, typename W>
+__attribute__((target("avx512f"))) void tile512(const float* x, const W* w, int64_t K,
                                                 const Target& t) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
          a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
   for (int64_t k = 0; k < K; ++k) {
     _mm_prefetch(reinterpret_cast<const char*>(w + (k + PREFETCH_K) * COLS), _MM_HINT_T0);
-    const __m512 wk = _mm512_load_ps(w + k * COLS);
+    const __m512 wk = load_line512(w, k);
     TILE512_ROW(0) TILE512_ROW(1) TILE512_ROW(2) TILE512_ROW(3) TILE512_ROW(4) TILE512_ROW(5)
     TILE512_ROW(6) TILE512_ROW(7) TILE512_ROW(8) TILE512_ROW(9) TILE512_ROW(10) TILE512_ROW(11)
   }
@@ -111,8 +138,8 @@ __attribute__((target("avx512f"))) void tile512(const float* x, const float* w, 
 const int64_t TILE_ROWS = __builtin_cpu_supports("avx512f") ? 12 : 6;
 
 // The tile of exactly `rows` (1..R) rows.
-template <int R>
-void tile_rows(int64_t rows, const float* x, const float* w, int64_t K, const Target& t) {
+template <int R, typename W>
+void tile_rows(int64_t rows, const float* x, const W* w, int64_t K, const Target& t) {
   if constexpr (R > 1)
     if (rows < R) return tile_rows<R - 1>(rows, x, w, K, t);
   if constexpr (R > 6) tile512<R>(x, w, K, t);
@@ -122,7 +149,8 @@ void tile_rows(int64_t rows, const float* x, const float* w, int64_t K, const Ta
 // x [rows, K] times one 16-column block w [K, 16], in tiles of even sizes (8 rows: 4 + 4,
 // not 6 + 2: a tile of few rows has too few accumulators to keep both FMA units busy);
 // `t` addresses the first row's outputs.
-void block_rows(const float* x, int64_t rows, int64_t K, const float* w, Target t) {
+template <typename W>
+void block_rows(const float* x, int64_t rows, int64_t K, const W* w, Target t) {
   const int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
   for (int64_t i = 0; i < tiles; ++i) {
     const int64_t tile = rows / tiles + (i < rows % tiles);
@@ -140,10 +168,12 @@ const float* data_or_null(const torch::Tensor& t) {
 }  // namespace
 
 torch::Tensor block_weight(const torch::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat, "a 2-D fp32 weight");
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == torch::kFloat ||
+                                    weight.scalar_type() == torch::kBFloat16),
+              "a 2-D fp32 or bf16 weight");
   const int64_t n = weight.size(0), k = weight.size(1), blocks = (n + COLS - 1) / COLS;
   const size_t page = size_t{1} << 21;
-  const size_t bytes = (blocks * k * COLS * sizeof(float) + page - 1) / page * page;
+  const size_t bytes = (blocks * k * COLS * weight.element_size() + page - 1) / page * page;
   void* data = std::aligned_alloc(page, bytes);
   TORCH_CHECK(data, "out of memory for a ", n, "x", k, " weight");
   madvise(data, bytes, MADV_HUGEPAGE);
@@ -155,25 +185,38 @@ torch::Tensor block_weight(const torch::Tensor& weight) {
   return blocked;
 }
 
+namespace {
+
+template <typename W>
+void linear_blocks(const float* x, int64_t m, int64_t k, const W* w, int64_t blocks, int64_t n,
+                   const float* bias, const float* residual, float* y) {
+  const int64_t chunks = (m + JOB_ROWS - 1) / JOB_ROWS;
+  // Jobs run block-major, so consecutive jobs of one claim reuse a cached block.
+  parallel_jobs(blocks * chunks, [&](int64_t begin, int64_t end) {
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t b = job / chunks, col = b * COLS, first = (job % chunks) * JOB_ROWS;
+      Target t{y + first * n + col, bias ? bias + col : nullptr,
+               residual ? residual + first * n + col : nullptr, n, std::min(COLS, n - col)};
+      block_rows(x + first * k, std::min(m, first + JOB_ROWS) - first, k, w + b * k * COLS, t);
+    }
+  });
+}
+
+}  // namespace
+
 torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& blocked, int64_t n,
                              const torch::Tensor& bias, const std::optional<torch::Tensor>& residual) {
   const int64_t m = x.size(0), k = x.size(1), blocks = blocked.size(0);
   TORCH_CHECK(x.is_contiguous() && blocked.size(1) == k, "x [M, K] contiguous, K as the weight's");
   TORCH_CHECK(!residual || (residual->is_contiguous() && residual->size(0) == m), "residual [M, N]");
   auto y = torch::empty({m, n}, x.options());
-  const float *xp = x.data_ptr<float>(), *wp = blocked.data_ptr<float>(), *bp = data_or_null(bias);
+  const float *xp = x.data_ptr<float>(), *bp = data_or_null(bias);
   const float* rp = residual ? residual->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  const int64_t chunks = (m + JOB_ROWS - 1) / JOB_ROWS;
-  // Jobs run block-major, so consecutive jobs of one claim reuse a cached block.
-  parallel_jobs(blocks * chunks, [&](int64_t begin, int64_t end) {
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / chunks, col = b * COLS, first = (job % chunks) * JOB_ROWS;
-      Target t{yp + first * n + col, bp ? bp + col : nullptr,
-               rp ? rp + first * n + col : nullptr, n, std::min(COLS, n - col)};
-      block_rows(xp + first * k, std::min(m, first + JOB_ROWS) - first, k, wp + b * k * COLS, t);
-    }
-  });
+  if (blocked.scalar_type() == torch::kBFloat16)
+    linear_blocks(xp, m, k, reinterpret_cast<const uint16_t*>(blocked.data_ptr()), blocks, n, bp,
+                  rp, y.data_ptr<float>());
+  else
+    linear_blocks(xp, m, k, blocked.data_ptr<float>(), blocks, n, bp, rp, y.data_ptr<float>());
   return y;
 }
 

@@ -7,13 +7,14 @@
 // Output columns per block of block_weight's layout.
 constexpr int64_t BLOCK_COLS = 16;
 
-// A weight [N, K] as [ceil(N / 16), K, 16]: each block holds 16 output columns, one
-// 64-byte line per k, so a block streams sequentially and its 16 columns are two AVX
-// registers. The tail block is zero-padded. Stored in 2 MB-aligned memory on huge pages.
+// A weight [N, K] (fp32 or bf16) as [ceil(N / 16), K, 16] of its dtype: each block holds 16
+// output columns, one line (64 bytes; bf16 32) per k, so a block streams sequentially and its
+// 16 columns are two AVX registers. The tail block is zero-padded. Stored in 2 MB-aligned
+// memory on huge pages.
 torch::Tensor block_weight(const torch::Tensor& weight);
 
-// x [M, K] @ weight.T (+ bias [N]) (+ residual [M, N]) -> [M, N], with `blocked` from
-// block_weight and N its weight's row count.
+// x [M, K] @ weight.T (+ bias [N]) (+ residual [M, N]) -> [M, N] in fp32, with `blocked`
+// from block_weight and N its weight's row count.
 torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& blocked, int64_t n,
                              const torch::Tensor& bias, const std::optional<torch::Tensor>& residual);
 

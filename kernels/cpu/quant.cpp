@@ -35,6 +35,7 @@
 #include <cstring>
 #include <vector>
 
+#include "matmul.h"
 #include "pool.h"
 #include "simd.h"
 
@@ -546,7 +547,7 @@ auto by_type(int64_t type, Fn&& fn) {
     case GGML_Q6_K: return fn(std::integral_constant<int64_t, GGML_Q6_K>{});
   }
   TORCH_CHECK(false, "GGML block type ", type,
-              " is not served (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K are)");
+              " is not served (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K, BF16 are)");
   __builtin_unreachable();
 }
 
@@ -563,10 +564,15 @@ int64_t gguf_blocks(const Tensor& weight, int64_t type) {
 }  // namespace
 
 int64_t quant_block_bytes(int64_t type) {
+  if (type == GGML_BF16) return 2;
   return by_type(type, [](auto t) { return gguf_bytes(decltype(t)::value); });
 }
 
 Tensor quant_pack(const Tensor& weight, int64_t type) {
+  if (type == GGML_BF16) {
+    gguf_blocks(weight, type);
+    return block_weight(weight.view(torch::kBFloat16));
+  }
   const int64_t blocks = gguf_blocks(weight, type), n = weight.size(0);
   const int64_t groups = (n + GROUP - 1) / GROUP;
   return by_type(type, [&](auto t) {
@@ -579,6 +585,7 @@ Tensor quant_pack(const Tensor& weight, int64_t type) {
 
 Tensor quant_linear(const Tensor& x, const Tensor& packed, int64_t type, int64_t n,
                     const Tensor& bias, const std::optional<Tensor>& residual) {
+  if (type == GGML_BF16) return blocked_linear(x, packed, n, bias, residual);
   const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat,
               "x [M, K] contiguous fp32");

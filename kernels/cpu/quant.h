@@ -15,6 +15,9 @@
 //         (6-bit q).
 constexpr int64_t GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
                   GGML_Q4_K = 12, GGML_Q6_K = 14;
+// BF16 (a "block" of one weight, 2 bytes): packed and multiplied by matmul.cpp's column
+// blocks, widened to fp32 in registers.
+constexpr int64_t GGML_BF16 = 30;
 
 // Bytes of one GGUF block of `type` (an unsupported type is an error).
 int64_t quant_block_bytes(int64_t type);

@@ -77,9 +77,9 @@ class EngineConfig:
         "(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K) as the file holds them; awq, gptq an "
         "int4 checkpoint's groups (read from its config.json when unset); int8, int4 quantize "
         "a full-precision checkpoint at load (per 32 weights: symmetric int8; asymmetric "
-        "int4, the LM head int8); all on CPU in fp32. fp8: e4m3 weights, per-row scales, CUDA "
-        "only (default: "
-        "full precision)",
+        "int4, the LM head int8); bf16 rounds each weight to bf16 (half fp32's bytes, "
+        "widened to fp32 in registers); all on CPU in fp32. fp8: e4m3 weights, per-row "
+        "scales, CUDA only (default: full precision)",
         choices=QUANTIZATIONS,
     )
     max_num_seqs: int = option(

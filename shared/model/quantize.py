@@ -26,11 +26,12 @@ QuantBlocks = dict[str, tuple[torch.Tensor, Q]]
 
 # Made at load from a weight [N, K], per 32 weights along K (gguf-py's quantizers, bit for
 # bit GGML's reference ones): int8 as Q8_0, symmetric (w = d q, int8 q, fp16 d = max|w|/127);
-# int4 as Q4_1, asymmetric (w = d q + m, 4-bit q, fp16 d = (max - min)/15, m = min).
-BLOCK_TYPES = {"int8": Q.Q8_0, "int4": Q.Q4_1}
-# The LM head is Q8_0 under int4 too, as llama.cpp keeps a 4-bit file's output matrix at 8
-# bits (on SmolLM2 it is a fifth of the weights, and its argmax decides every token).
-LM_HEAD_BLOCK_TYPE = Q.Q8_0
+# int4 as Q4_1, asymmetric (w = d q + m, 4-bit q, fp16 d = (max - min)/15, m = min); bf16
+# each weight rounded to nearest even.
+BLOCK_TYPES = {"int8": Q.Q8_0, "int4": Q.Q4_1, "bf16": Q.BF16}
+# The LM head is Q8_0 under int4, as llama.cpp keeps a 4-bit file's output matrix at 8 bits
+# (on SmolLM2 it is a fifth of the weights, and its argmax decides every token).
+LM_HEAD_BLOCK_TYPES = {"int4": Q.Q8_0}
 INT4_CHECKPOINTS = ("awq", "gptq")  # read from config.json's quantization_config, as SGLang
 DRAFT_OPTION = "--speculative-draft-model-quantization"
 
@@ -103,7 +104,7 @@ def check_device(method: str, device: torch.device, dtype: torch.dtype, option: 
 
 def quantize_linears(module: nn.Module, method: str) -> None:
     """Quantize every Linear of `module` (a model or drafter, loaded) from its weight:
-    int8/int4 as blocks the Linear multiplies once packed (the LM head's Q8_0), fp8 as e4m3
+    int8/int4/bf16 as blocks the Linear multiplies once packed (int4's LM head Q8_0), fp8 as e4m3
     rows with scales (the LM head, tied to the embedding or not, stays as SGLang's)."""
     for name, linear in module.named_modules():
         if not isinstance(linear, Linear):
@@ -115,7 +116,11 @@ def quantize_linears(module: nn.Module, method: str) -> None:
             _check_finite(name, scale)
             linear.weight, linear.weight_scale = nn.Parameter(w8, requires_grad=False), scale
         elif method in BLOCK_TYPES:
-            kind = LM_HEAD_BLOCK_TYPE if lm_head else BLOCK_TYPES[method]
+            kind = (
+                LM_HEAD_BLOCK_TYPES.get(method, BLOCK_TYPES[method])
+                if lm_head
+                else BLOCK_TYPES[method]
+            )
             linear.quant_blocks = (_blocks(name, weight, kind), int(kind))
 
 
@@ -129,7 +134,11 @@ def quantize_drafter(drafter: nn.Module, method: str | None) -> None:
 
 
 def _blocks(name: str, weight: torch.Tensor, kind: Q) -> torch.Tensor:
-    """weight fp32 [N, K] -> uint8 [N, K / 32 * block bytes]: each row its blocks along K."""
+    """weight fp32 [N, K] -> uint8 [N, K / 32 * block bytes]: each row its blocks along K
+    (bf16: [N, 2K], each weight's two bytes)."""
+    if kind == Q.BF16:
+        _check_finite(name, weight)
+        return weight.to(torch.bfloat16).view(torch.uint8)
     if weight.shape[1] % 32:
         raise ValueError(
             f"{name} has {weight.shape[1]} inputs, not a multiple of the 32-weight blocks "

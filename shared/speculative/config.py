@@ -59,7 +59,7 @@ class SpeculativeConfig:
     speculative_draft_model_quantization: str | None = option(
         None,
         "as SGLang: the drafter's weight-only quantization, as --quantization's (EAGLE, "
-        "EAGLE3, NEXTN, DFLASH: int8, int4 or fp8 made at load; STANDALONE: any; unset: "
+        "EAGLE3, NEXTN, DFLASH: int8, int4, bf16 or fp8 made at load; STANDALONE: any; unset: "
         "full precision, or what the draft checkpoint declares)",
         choices=QUANTIZATIONS,
     )
