@@ -1,4 +1,5 @@
-"""quant_linear's throughput per GGUF block type, side by side: GB/s of packed weights read.
+"""quant_linear's throughput per GGUF block type (BF16 too), side by side: GB/s of packed
+weights read.
 
     python benchmarks/bench_quant_linear.py [--mb 60] [--repeats 9] [--rows 1,8] [--threads N]
 
@@ -27,7 +28,11 @@ SHAPES = ((1536, 768), (576, 1536))  # [N, K]: up/gate-like, down-like
 
 
 def random_blocks(rng: np.random.Generator, n: int, k: int, kind: Q) -> torch.Tensor:
-    """uint8 [n, row bytes] of `kind`: random bytes, every fp16 field a small finite scale."""
+    """uint8 [n, row bytes] of `kind`: random bytes, every fp16 field a small finite scale
+    (BF16: random finite weights)."""
+    if kind == Q.BF16:
+        weights = torch.from_numpy(rng.standard_normal((n, k), dtype=np.float32))
+        return weights.bfloat16().view(torch.uint8)
     values, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     raw = rng.integers(0, 256, (n * k // values, block_bytes), dtype=np.uint8)
     at, count = FP16_SCALES[kind]

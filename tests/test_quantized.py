@@ -134,6 +134,15 @@ def test_tiny_model_on_gguf_blocks_matches_its_dequantized_weights(kind: Q, tmp_
     assert model.layers[0].mlp.down_proj.block_type == int(kind)
 
 
+def test_a_bf16_gguf_serves_on_bf16_blocks(tmp_path: Path) -> None:
+    """A BF16 GGUF's matrices (the tied LM head too) multiplied as bf16, not expanded to
+    fp32: the same values, so the same logits up to the order of fp32 sums."""
+    path = write_gguf(tmp_path / "tiny.gguf", in_blocks(Q.BF16, Q.BF16))
+    model = serve_like_dequantized(path)
+    assert model.lm_head.block_type == model.layers[0].mlp.down_proj.block_type == int(Q.BF16)
+    assert model.layers[0].mlp.down_proj.packed.dtype == torch.bfloat16
+
+
 def serve_like_dequantized(path: Path) -> torch.nn.Module:
     """Runs the GGUF at `path` on its blocks (fused decoder and torch path) beside the same
     file expanded to fp32 (today's path): prefill logits within tolerance, greedy tokens

@@ -82,11 +82,7 @@ def load_gguf(
     return _config(reader, arch, state, rope_freqs), state
 
 
-_FLOAT_TYPES = (
-    gguf.GGMLQuantizationType.F32,
-    gguf.GGMLQuantizationType.F16,
-    gguf.GGMLQuantizationType.BF16,
-)
+_FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
 # GGUF block types the CPU kernels multiply as they are (kernels/cpu/quant.cpp), each with
 # where its blocks keep their fp16 scales (d; Q4_1, Q5_1 also m; Q4_K also dmin): (byte offset
 # in the block, how many). Q4_K's 6-bit sub-block scales and Q6_K's int8 ones are always finite.
@@ -100,7 +96,9 @@ FP16_SCALES = {
     _Q.Q4_K: (0, 2),
     _Q.Q6_K: (gguf.GGML_QUANT_SIZES[_Q.Q6_K][1] - 2, 1),  # d last, after values and scales
 }
-SERVED_BLOCK_TYPES = tuple(FP16_SCALES)
+# BF16 matrices too, as bf16 column blocks (kernels/cpu/matmul.cpp); BF16 vectors (norms)
+# are expanded like F32 and F16 ones.
+SERVED_BLOCK_TYPES = (*FP16_SCALES, _Q.BF16)
 # Symmetric 32-weight types, w = d (q - centre), that Q8_0 (w = d q, int8 q) holds exactly.
 _CENTRES = {_Q.Q4_0: 8, _Q.Q5_0: 16}
 HELD_BY_Q8_0 = tuple(_CENTRES)
@@ -118,7 +116,7 @@ def quantized_weights(
     permuted = _ARCHS[arch][2] if arch in _ARCHS else False
     blocks = {}
     for tensor in reader.tensors:
-        if tensor.tensor_type in _FLOAT_TYPES:
+        if tensor.tensor_type in _FLOAT_TYPES or len(tensor.shape) == 1:
             continue
         if tensor.tensor_type not in SERVED_BLOCK_TYPES:
             served = ", ".join(t.name for t in SERVED_BLOCK_TYPES)
@@ -127,7 +125,7 @@ def quantized_weights(
                 f"served as it is (served: {served}); serve the file expanded to fp32 instead"
             )
         rows = np.array(tensor.data, np.uint8)
-        if not np.isfinite(_block_scales(rows, tensor.tensor_type)).all():
+        if not _finite(rows, tensor.tensor_type):
             raise ValueError(f"GGUF tensor {tensor.name} has non-finite scales: a corrupt file")
         if permuted and ".attn_q." in tensor.name:
             rows = _unpermute(rows, heads)
@@ -137,11 +135,15 @@ def quantized_weights(
     return blocks
 
 
-def _block_scales(rows: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
-    """The fp16 scales of every block of a served type (d, and m or dmin where it has one)."""
+def _finite(rows: np.ndarray, kind: gguf.GGMLQuantizationType) -> bool:
+    """Whether every fp16 scale of a served type's blocks (d, and m or dmin where it has
+    one) is finite; BF16's every value."""
+    if kind == _Q.BF16:
+        return bool(torch.from_numpy(rows).view(torch.bfloat16).isfinite().all())
     _, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     at, count = FP16_SCALES[kind]
-    return rows.reshape(-1, block_bytes)[:, at : at + 2 * count].copy().view(np.float16)
+    scales = rows.reshape(-1, block_bytes)[:, at : at + 2 * count].copy().view(np.float16)
+    return bool(np.isfinite(scales).all())
 
 
 def as_q8_0(rows: torch.Tensor, kind: gguf.GGMLQuantizationType) -> torch.Tensor:
