@@ -74,7 +74,7 @@ class EngineConfig:
     quantization: str | None = option(
         None,
         "weight-only, as SGLang's where it has the name: gguf multiplies the GGUF's blocks "
-        "(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K) as the file holds them; awq, gptq an "
+        "(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K, BF16) as the file holds them; awq, gptq an "
         "int4 checkpoint's groups (read from its config.json when unset); int8, int4 quantize "
         "a full-precision checkpoint at load (per 32 weights: symmetric int8; asymmetric "
         "int4, the LM head int8); bf16 rounds each weight to bf16 (half fp32's bytes, "
