@@ -47,6 +47,7 @@ from helpers import tiny_llama
 from services.decode.config import DecodeConfig
 from services.drafter.config import DrafterConfig
 from services.gateway.config import GatewayConfig
+from services.learner.config import LearnerConfig, OnlineLearningConfig
 from services.tokenizer.config import TokenizerConfig
 from shared.bus import Bus, NatsAuth
 from shared.config import env_name
@@ -84,6 +85,8 @@ CONFIGS = [
     TransportConfig,
     DecodeConfig,
     DrafterConfig,
+    LearnerConfig,
+    OnlineLearningConfig,
 ]
 # Read outside the option dataclasses: the model cache.
 OTHER_VARIABLES = {"SPECMESH_CACHE"}
@@ -265,7 +268,7 @@ def test_compose_and_nomad_size_threads_to_each_services_cpus() -> None:
     """Threads beyond a container's CPU limit are throttled; fewer leave its CPUs idle."""
     services = _compose()["services"]
     groups = _blocks(_blocks(_hcl("specmesh.nomad.hcl")["job"])["specmesh"]["group"])
-    for name in SERVICES:
+    for name in ALL_SERVICES:
         env, limits = services[name]["environment"], services[name]["deploy"]["resources"]
         threads, cpus = (
             _default(v) if v.startswith("${") else v
@@ -393,7 +396,7 @@ def test_nomad_job_has_a_group_per_service() -> None:
         assert "default" not in variables[address]
     known = _option_variables()
     groups = _blocks(_blocks(spec["job"])["specmesh"]["group"])
-    assert set(groups) == set(SERVICES)
+    assert set(groups) == set(ALL_SERVICES)
     for name, group in groups.items():
         assert group["count"] == f"${{var.{name}_count}}" and f"{name}_count" in variables
         assert group["restart"][0]["attempts"] > 0
@@ -460,6 +463,31 @@ def test_nomad_pools_run_one_dtype_and_ngram_drafters_reserve_no_gpu() -> None:
         assert gpus == ('["nvidia/gpu"]' if gpu else "[]")
         on = _if(drafter["env"][0]["SPECMESH_DEVICE"], "local.drafter_gpu", gpu)
         assert on == ('"cuda"' if gpu else '"cpu"')
+
+
+def test_nomad_learner_follows_online_learning_and_keeps_its_versions() -> None:
+    """As compose's `learning` profile: off unless asked for (count 0), the drafters told
+    to send what they serve by the same variable, the learner niced and its versions on a
+    host volume that outlives the allocation."""
+    spec = _hcl("specmesh.nomad.hcl")
+    variables = _blocks(spec["variable"])
+    assert variables["learner_count"]["default"] == 0
+    assert variables["speculative_online_learning"]["default"] is False
+    groups = _blocks(_blocks(spec["job"])["specmesh"]["group"])
+    drafter, learner = (
+        next(iter(_blocks(groups[n]["task"]).values())) for n in ("drafter", "learner")
+    )
+    online = "${var.speculative_online_learning}"
+    assert drafter["env"][0]["SPECMESH_SPECULATIVE_ONLINE_LEARNING"] == online
+    env = learner["env"][0]
+    assert env["SPECMESH_NATS_USER"] == "learner" and int(env["SPECMESH_NICE"]) > 0
+    for key in ("SPECMESH_SPECULATIVE_ALGORITHM", "SPECMESH_SPECULATIVE_DRAFT_MODEL_PATH"):
+        assert env[key] == drafter["env"][0][key]  # it trains the head the drafters serve
+    volumes = _blocks(groups["learner"]["volume"])
+    mounts = {m["destination"]: m["volume"] for m in learner["volume_mount"]}
+    versions = volumes[mounts[env["SPECMESH_SPECULATIVE_ONLINE_DIR"]]]
+    assert versions["type"] == "host" and not versions["read_only"]
+    assert "nats_learner_password" in learner["template"][0]["data"]
 
 
 def test_nomad_infrastructure_job() -> None:

@@ -14,6 +14,11 @@
 # Clients need the Docker driver, a host volume "specmesh-models" for the model cache, and
 # for the GPU pools the NVIDIA device plugin (device "nvidia/gpu").
 #
+# Online learning (EAGLE, EAGLE3): -var speculative_online_learning=true -var learner_count=1
+# runs the pool's learner, which trains on what the drafters serve and publishes heads that
+# do better; its versions persist in the host volume "specmesh-learner", so a restarted
+# pool resumes the latest head.
+#
 # GPUs: prefill and decode take one each, both in var.dtype (decode reads the K/V prefill
 # computed, and refuses K/V of another dtype). Drafters take one only for a model drafter
 # (EAGLE, EAGLE3, NEXTN, DFLASH, STANDALONE): local.drafter_gpu follows
@@ -69,6 +74,12 @@ variable "speculative_draft_model_path" {
   description = "draft model or EAGLE head under /models; empty: the head shipped for the default model"
 }
 
+variable "speculative_online_learning" {
+  type        = bool
+  default     = false
+  description = "drafters send what they serve to the learner (EAGLE, EAGLE3; learner_count 1)"
+}
+
 locals {
   drafter_gpu = var.speculative_algorithm != "NGRAM" # a model drafter; NGRAM needs no GPU
 }
@@ -96,6 +107,12 @@ variable "decode_count" {
 variable "drafter_count" {
   type    = number
   default = 2
+}
+
+variable "learner_count" {
+  type        = number
+  default     = 0
+  description = "1 with speculative_online_learning: one learner per pool"
 }
 
 job "specmesh" {
@@ -314,6 +331,7 @@ job "specmesh" {
         SPECMESH_REDIS_PASSWORD_FILE = "${NOMAD_SECRETS_DIR}/redis_password"
         SPECMESH_SPECULATIVE_ALGORITHM        = var.speculative_algorithm
         SPECMESH_SPECULATIVE_DRAFT_MODEL_PATH = var.speculative_draft_model_path
+        SPECMESH_SPECULATIVE_ONLINE_LEARNING  = var.speculative_online_learning
         SPECMESH_DEVICE              = "cuda"
         SPECMESH_DTYPE               = var.dtype
         SPECMESH_METRICS_HOST        = "0.0.0.0"
@@ -407,6 +425,7 @@ job "specmesh" {
         SPECMESH_REDIS_PASSWORD_FILE   = "${NOMAD_SECRETS_DIR}/redis_password"
         SPECMESH_SPECULATIVE_ALGORITHM = var.speculative_algorithm
         SPECMESH_SPECULATIVE_DRAFT_MODEL_PATH = var.speculative_draft_model_path
+        SPECMESH_SPECULATIVE_ONLINE_LEARNING  = var.speculative_online_learning
         SPECMESH_DEVICE                = "cuda"
         SPECMESH_DTYPE                 = var.dtype
         SPECMESH_METRICS_HOST          = "0.0.0.0"
@@ -497,6 +516,7 @@ job "specmesh" {
         SPECMESH_NATS_PASSWORD_FILE    = "${NOMAD_SECRETS_DIR}/nats_password"
         SPECMESH_SPECULATIVE_ALGORITHM = var.speculative_algorithm
         SPECMESH_SPECULATIVE_DRAFT_MODEL_PATH = var.speculative_draft_model_path
+        SPECMESH_SPECULATIVE_ONLINE_LEARNING  = var.speculative_online_learning
         SPECMESH_DEVICE                = local.drafter_gpu ? "cuda" : "cpu"
         SPECMESH_DTYPE                 = var.dtype
         SPECMESH_METRICS_HOST          = "0.0.0.0"
@@ -521,6 +541,97 @@ job "specmesh" {
             count = 1
           }
         }
+      }
+    }
+  }
+
+  group "learner" {
+    count = var.learner_count
+
+    network {
+      port "metrics" {
+        to = 9100
+      }
+    }
+
+    service {
+      name     = "specmesh-learner"
+      provider = "nomad"
+      port     = "metrics"
+      tags     = ["specmesh", "metrics"]
+
+      check {
+        type     = "http"
+        path     = "/health"
+        interval = "10s"
+        timeout  = "3s"
+      }
+    }
+
+    restart {
+      attempts = 10
+      interval = "10m"
+      delay    = "15s"
+      mode     = "delay"
+    }
+
+    volume "models" {
+      type      = "host"
+      source    = "specmesh-models"
+      read_only = false
+    }
+
+    volume "learner" { # head versions and held-out examples: a restart resumes them
+      type      = "host"
+      source    = "specmesh-learner"
+      read_only = false
+    }
+
+    task "learner" {
+      driver       = "docker"
+      kill_timeout = "30s"
+
+      config {
+        image   = var.image
+        command = "python"
+        args    = ["-m", "services.learner"]
+        ports   = ["metrics"]
+      }
+
+      volume_mount {
+        volume      = "models"
+        destination = "/models"
+      }
+
+      volume_mount {
+        volume      = "learner"
+        destination = "/learner"
+      }
+
+      env {
+        SPECMESH_INSTANCE_ID             = "learner-${NOMAD_SHORT_ALLOC_ID}"
+        SPECMESH_NATS_URL                = var.nats_url
+        SPECMESH_NATS_USER               = "learner"
+        SPECMESH_THREADS                 = "1" # as many as its reserved cpu (MHz / 1000)
+        SPECMESH_NICE                    = "19" # trains on what serving leaves idle
+        SPECMESH_NATS_PASSWORD_FILE      = "${NOMAD_SECRETS_DIR}/nats_password"
+        SPECMESH_SPECULATIVE_ALGORITHM   = var.speculative_algorithm
+        SPECMESH_SPECULATIVE_DRAFT_MODEL_PATH = var.speculative_draft_model_path
+        SPECMESH_SPECULATIVE_ONLINE_DIR  = "/learner"
+        SPECMESH_METRICS_HOST            = "0.0.0.0"
+        SPECMESH_METRICS_PORT            = "9100"
+        OTEL_EXPORTER_OTLP_ENDPOINT      = var.otlp_endpoint
+      }
+
+      template {
+        destination = "secrets/nats_password"
+        change_mode = "restart"
+        data        = "{{ with nomadVar \"nomad/jobs\" }}{{ .nats_learner_password }}{{ end }}"
+      }
+
+      resources {
+        cpu    = 1000
+        memory = 4096
       }
     }
   }
