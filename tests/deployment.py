@@ -9,17 +9,20 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import nats
 from nats.aio.msg import Msg
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.infra import free_port
+from shared.infra import ServerProcess, free_port
 from shared.protocol import (
     ABORT,
     HEARTBEAT,
@@ -199,3 +202,81 @@ def assert_least_privilege(url: str) -> None:
     assert f'subscription to "{inbox_prefix("gateway").lower()}.>"' in denied, denied
     for subject in (gateway_subject("gateway-0"), decode_subject("decode-0"), ABORT):
         assert f'violation for publish to "{subject}"' in denied, denied
+
+
+class Deployment:
+    def __init__(self, url: str, log: Path, nats: ServerProcess) -> None:
+        self.url, self.log, self.nats = url, log, nats
+        self.nats_url = nats.url
+
+    def pid(self, instance: str) -> int:
+        """The pid of `instance`'s process now (it may have been restarted)."""
+        for proc in Path("/proc").iterdir():
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except (OSError, ValueError):
+                continue
+            if self.nats_url.encode() in argv and f"--instance-id\0{instance}\0".encode() in (
+                b"\0".join(argv) + b"\0"
+            ):
+                return int(proc.name)
+        raise AssertionError(f"no process for {instance}")
+
+    def launcher_metrics(self) -> str:
+        return listing(self.log)["specmesh-up"][1]
+
+    def restarts(self, instance: str) -> float:
+        samples = scrape(self.launcher_metrics())
+        service = instance.rsplit("-", 1)[0]
+        name = "specmesh_service_restarts_total"
+        return sample(samples, name, service=service, instance_id=instance)
+
+    def wait_restarted(self, instance: str, incarnation: str, seconds: float = 60) -> None:
+        """Until `instance` heartbeats again under a new incarnation."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            beat = heartbeats(self.nats_url, 1.5).get(instance)
+            if beat is not None and beat.incarnation != incarnation:
+                return
+        raise AssertionError(f"{instance} did not come back in {seconds} s")
+
+
+def stream_until_done(
+    url: str, prompt: str, first_chunk: threading.Event, params: dict[str, Any]
+) -> tuple[str, dict]:
+    """Streams a chat with `params`; sets `first_chunk` on the first content. Returns the text
+    and the error event, if the stream ended with one."""
+    body = {"messages": [{"role": "user", "content": prompt}], "stream": True, **params}
+    text, error = "", {}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = event["error"]
+                break
+            if event["choices"] and event["choices"][0]["delta"].get("content"):
+                text += event["choices"][0]["delta"]["content"]
+                first_chunk.set()
+    first_chunk.set()
+    return text, error
+
+
+def fault_mid_stream(
+    d: Deployment, prompts: list[str], fault: Callable[[], None], params: dict[str, Any]
+) -> tuple[list[tuple[str, dict]], float]:
+    """Streams `prompts` at once (chats with `params`) and runs `fault()` once all have
+    output: (the streams' results, seconds from the fault until the last stream ended)."""
+    started = [threading.Event() for _ in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [
+            pool.submit(stream_until_done, d.url, p, e, params)
+            for p, e in zip(prompts, started, strict=True)
+        ]
+        for event in started:
+            assert event.wait(60), "no stream produced output"
+        start = time.monotonic()
+        fault()
+        results = [f.result(timeout=60) for f in futures]
+    return results, time.monotonic() - start

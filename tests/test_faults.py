@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -27,18 +27,21 @@ import msgspec
 import pytest
 import redis
 from deployment import (
+    Deployment,
+    chat,
     chat_text,
+    fault_mid_stream,
     heartbeats,
-    listing,
     nats_accepts,
     sample,
     scrape,
     specmesh_up,
+    stream_until_done,
 )
 
 from services.gateway.cluster import Cluster, Generation
 from shared.bus import Bus
-from shared.infra import ServerProcess, start_nats
+from shared.infra import start_nats
 from shared.protocol import (
     ABORT,
     HEARTBEAT,
@@ -69,43 +72,6 @@ GREEDY = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
 CAPACITY = 8  # sequences in flight at the gateway before it answers 429
 
 
-class Deployment:
-    def __init__(self, url: str, log: Path, nats: ServerProcess) -> None:
-        self.url, self.log, self.nats = url, log, nats
-        self.nats_url = nats.url
-
-    def pid(self, instance: str) -> int:
-        """The pid of `instance`'s process now (it may have been restarted)."""
-        for proc in Path("/proc").iterdir():
-            try:
-                argv = (proc / "cmdline").read_bytes().split(b"\0")
-            except (OSError, ValueError):
-                continue
-            if self.nats_url.encode() in argv and f"--instance-id\0{instance}\0".encode() in (
-                b"\0".join(argv) + b"\0"
-            ):
-                return int(proc.name)
-        raise AssertionError(f"no process for {instance}")
-
-    def launcher_metrics(self) -> str:
-        return listing(self.log)["specmesh-up"][1]
-
-    def restarts(self, instance: str) -> float:
-        samples = scrape(self.launcher_metrics())
-        service = instance.rsplit("-", 1)[0]
-        name = "specmesh_service_restarts_total"
-        return sample(samples, name, service=service, instance_id=instance)
-
-    def wait_restarted(self, instance: str, incarnation: str, seconds: float = 60) -> None:
-        """Until `instance` heartbeats again under a new incarnation."""
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            beat = heartbeats(self.nats_url, 1.5).get(instance)
-            if beat is not None and beat.incarnation != incarnation:
-                return
-        raise AssertionError(f"{instance} did not come back in {seconds} s")
-
-
 @pytest.fixture(scope="module")
 def deployment(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     log = tmp_path_factory.mktemp("faults") / "up.log"
@@ -127,49 +93,10 @@ def deployment(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         yield Deployment(url, log, nats)
 
 
-def stream_until_done(url: str, prompt: str, first_chunk: threading.Event) -> tuple[str, dict]:
-    """Streams a greedy chat; sets `first_chunk` on the first content. Returns the text and
-    the error event, if the stream ended with one."""
-    body = {"messages": [{"role": "user", "content": prompt}], "stream": True, **GREEDY}
-    text, error = "", {}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                error = event["error"]
-                break
-            if event["choices"] and event["choices"][0]["delta"].get("content"):
-                text += event["choices"][0]["delta"]["content"]
-                first_chunk.set()
-    first_chunk.set()
-    return text, error
-
-
-def fault_mid_stream(
-    d: Deployment, prompts: list[str], fault: Callable[[], None]
-) -> tuple[list[tuple[str, dict]], float]:
-    """Streams `prompts` at once and runs `fault()` once all have output: (the streams'
-    results, seconds from the fault until the last stream ended)."""
-    started = [threading.Event() for _ in prompts]
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [
-            pool.submit(stream_until_done, d.url, p, e)
-            for p, e in zip(prompts, started, strict=True)
-        ]
-        for event in started:
-            assert event.wait(60), "no stream produced output"
-        start = time.monotonic()
-        fault()
-        results = [f.result(timeout=60) for f in futures]
-    return results, time.monotonic() - start
-
-
 def kill_mid_stream(
     d: Deployment, instance: str, prompts: list[str], sig: signal.Signals = signal.SIGKILL
 ) -> tuple[list[tuple[str, dict]], float]:
-    return fault_mid_stream(d, prompts, lambda: os.kill(d.pid(instance), sig))
+    return fault_mid_stream(d, prompts, lambda: os.kill(d.pid(instance), sig), GREEDY)
 
 
 def freeze(pid: int, seconds: float) -> None:
@@ -244,6 +171,32 @@ def test_a_killed_decode_workers_requests_move_and_complete_unchanged(
     assert_nothing_held(d)
 
 
+def test_requests_arriving_as_a_decode_worker_dies_are_admitted_elsewhere(
+    deployment: Deployment,
+) -> None:
+    """New requests sent right after decode-1's SIGKILL, while the gateway still lists it
+    (its heartbeats have not stopped yet), half of them routed there: the admission finds
+    nobody (or no answer), the worker is dropped and each request goes to decode-0; no 503,
+    every output what it would have been."""
+    d = deployment
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        reference = list(pool.map(lambda p: chat_text(d.url, p, **GREEDY), PROMPTS))
+    incarnation = heartbeats(d.nats_url)["decode-1"].incarnation
+    late: list[httpx.Response] = []
+
+    def kill_then_send() -> None:
+        os.kill(d.pid("decode-1"), signal.SIGKILL)
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            late.extend(pool.map(lambda p: chat(d.url, p, **GREEDY), PROMPTS))
+
+    results, _ = fault_mid_stream(d, PROMPTS, kill_then_send, GREEDY)
+    assert results == [(text, {}) for text in reference]
+    assert [r.status_code for r in late] == [200] * len(PROMPTS), [r.text for r in late]
+    assert [r.json()["choices"][0]["message"]["content"] for r in late] == reference
+    d.wait_restarted("decode-1", incarnation)
+    assert_nothing_held(d)
+
+
 def test_a_killed_prefill_workers_calls_are_sent_again_and_complete_unchanged(
     deployment: Deployment,
 ) -> None:
@@ -258,14 +211,14 @@ def test_a_killed_prefill_workers_calls_are_sent_again_and_complete_unchanged(
     started = [threading.Event() for _ in range(8)]
     with ThreadPoolExecutor(8) as pool:
         first = [
-            pool.submit(stream_until_done, d.url, p, e)
+            pool.submit(stream_until_done, d.url, p, e, GREEDY)
             for p, e in zip(PROMPTS, started[:4], strict=True)
         ]
         for event in started[:4]:
             assert event.wait(60)
         os.kill(d.pid("prefill-0"), signal.SIGKILL)
         later = [
-            pool.submit(stream_until_done, d.url, p, e)
+            pool.submit(stream_until_done, d.url, p, e, GREEDY)
             for p, e in zip(PROMPTS, started[4:], strict=True)
         ]
         results = [f.result(timeout=90) for f in first + later]
@@ -314,7 +267,7 @@ def test_a_decode_worker_that_only_seemed_lost_cannot_corrupt_moved_streams(
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         reference = list(pool.map(lambda p: chat_text(d.url, p, **GREEDY), PROMPTS))
     pid = d.pid("decode-0")
-    results, _ = fault_mid_stream(d, PROMPTS, lambda: freeze(pid, 5))
+    results, _ = fault_mid_stream(d, PROMPTS, lambda: freeze(pid, 5), GREEDY)
     assert results == [(text, {}) for text in reference]
     assert d.pid("decode-0") == pid  # the same process, back in service
     assert chat_text(d.url, PROMPTS[2], **GREEDY) == reference[2]
@@ -409,7 +362,7 @@ def test_a_nats_outage_under_load_stops_no_service(deployment: Deployment, secon
     d = deployment
     reference = chat_text(d.url, PROMPTS[0], **GREEDY)
     pids = {instance: d.pid(instance) for instance in heartbeats(d.nats_url)}
-    results, _ = fault_mid_stream(d, PROMPTS, lambda: freeze(d.nats.proc.pid, seconds))
+    results, _ = fault_mid_stream(d, PROMPTS, lambda: freeze(d.nats.proc.pid, seconds), GREEDY)
     for text, error in results:  # an error ("... went away") or the whole text, in time
         assert error or text, (text, error)
     deadline = time.monotonic() + 60
@@ -487,12 +440,12 @@ def test_poison_input_gets_400_and_costs_a_concurrent_request_nothing(
     d = deployment
     reference = chat_text(d.url, PROMPTS[2], **GREEDY)
     start = time.monotonic()
-    assert stream_until_done(d.url, PROMPTS[2], threading.Event()) == (reference, {})
+    assert stream_until_done(d.url, PROMPTS[2], threading.Event(), GREEDY) == (reference, {})
     alone = time.monotonic() - start
     started = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         start = time.monotonic()
-        canary = pool.submit(stream_until_done, d.url, PROMPTS[2], started)
+        canary = pool.submit(stream_until_done, d.url, PROMPTS[2], started, GREEDY)
         assert started.wait(60)
         with httpx.Client(timeout=60) as client:
             for name, extra in POISON.items():
@@ -571,7 +524,7 @@ def test_crafted_internal_messages_fail_only_themselves(deployment: Deployment) 
     reference = chat_text(d.url, PROMPTS[2], **GREEDY)
     started = threading.Event()
     with ThreadPoolExecutor(1) as pool:
-        canary = pool.submit(stream_until_done, d.url, PROMPTS[2], started)
+        canary = pool.submit(stream_until_done, d.url, PROMPTS[2], started, GREEDY)
         assert started.wait(60)
         outcomes = asyncio.run(_crafted_messages(d.nats_url))
         assert canary.result(60) == (reference, {})

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from shared.bus import Bus, NoResponders
+from shared.bus import Bus, BusError, NoResponders
 from shared.core.spec_stats import SpecStats
 from shared.protocol import (
     ABORT,
@@ -413,7 +413,8 @@ class Cluster:
         images: list[ImageData] | None = None,
     ) -> tuple[str, str | None, PrefillReply]:
         """Prefill the prompt and admit it to the least loaded decode worker but `avoid`
-        (and a drafter for it): (decode id, drafter id, prefill's reply)."""
+        (and a drafter for it): (decode id, drafter id, prefill's reply). A worker that does
+        not answer the admission is dropped, and the request moves as its others do."""
         decode = self._choose("decode", avoid=avoid)
         if decode is None:
             raise Unavailable("no decode worker is available")
@@ -444,7 +445,11 @@ class Cluster:
             attempt=resumable.attempt,
             images=images,
         )
-        await self.bus.request(decode_subject(decode_id), admit, Admitted, 10)
+        try:
+            await self.bus.request(decode_subject(decode_id), admit, Admitted, 10)
+        except BusError as lost:  # not an answer: chosen, it died before its heartbeats stopped
+            log.warning("decode %s did not admit %s (%s); dropping it", decode_id, request_id, lost)
+            self._drop("decode", decode_id)  # its requests move, this one with them
         return decode_id, drafter_id, prefill
 
     def abort(self, request_id: str) -> None:
