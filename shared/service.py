@@ -78,7 +78,11 @@ _WILDCARDS = ("", "0.0.0.0", "::")
 
 @dataclass
 class ServiceConfig(NatsAuth):
-    nats_url: str = option("nats://127.0.0.1:4222", "NATS server URL (tls://... for TLS)")
+    nats_url: str = option(
+        "nats://127.0.0.1:4222",
+        "NATS server URL (tls://... for TLS), or a cluster's servers comma-separated (the "
+        "client fails over between them)",
+    )
     instance_id: str | None = option(None, "unique instance name (default: <kind>-<host>-<pid>)")
     metrics_port: int | None = option(
         None, "serve Prometheus /metrics and /health here (0: a free port)"
