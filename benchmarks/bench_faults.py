@@ -26,6 +26,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from deployment import (  # noqa: E402
+    GREEDY,
+    PROMPTS,
     Deployment,
     chat,
     chat_text,
@@ -36,14 +38,6 @@ from deployment import (  # noqa: E402
 
 from shared.infra import start_nats  # noqa: E402
 from shared.model.fetch import fetch_default_model  # noqa: E402
-
-PROMPTS = [
-    "Count from one to twenty in words.",
-    "List the days of the week.",
-    "Name the planets of the solar system.",
-    "Spell the word 'elephant' letter by letter.",
-]
-GREEDY = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
 
 
 def late_failures(responses: list[httpx.Response], reference: list[str]) -> list[str]:

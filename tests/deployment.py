@@ -140,6 +140,14 @@ async def nats_accepts(url: str, **auth: str) -> bool:
 
 
 SERVICE_PASSWORDS = {user: f"pw-{user}" for user in SERVICE_USERS}
+# Chats whose greedy answers fault tests compare with the no-fault ones (short and steady).
+PROMPTS = [
+    "Count from one to twenty in words.",
+    "List the days of the week.",
+    "Name the planets of the solar system.",
+    "Spell the word 'elephant' letter by letter.",
+]
+GREEDY = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
 
 
 async def _as_user(url: str, user: str, errors: list[str]) -> nats.NATS:

@@ -27,6 +27,8 @@ import msgspec
 import pytest
 import redis
 from deployment import (
+    GREEDY,
+    PROMPTS,
     Deployment,
     chat,
     chat_text,
@@ -62,13 +64,6 @@ from shared.protocol import (
 )
 from shared.sampling.params import SamplingParams
 
-PROMPTS = [
-    "Count from one to twenty in words.",
-    "List the days of the week.",
-    "Name the planets of the solar system.",
-    "Spell the word 'elephant' letter by letter.",
-]
-GREEDY = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
 CAPACITY = 8  # sequences in flight at the gateway before it answers 429
 
 

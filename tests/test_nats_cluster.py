@@ -10,19 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from deployment import Deployment, chat_text, fault_mid_stream, specmesh_up
+from deployment import GREEDY, PROMPTS, Deployment, chat_text, fault_mid_stream, specmesh_up
 from nats.aio.msg import Msg
 
 from shared.bus import Bus
 from shared.infra import ServerProcess, cluster_urls, start_nats_cluster
-
-PROMPTS = [
-    "Count from one to twenty in words.",
-    "List the days of the week.",
-    "Name the planets of the solar system.",
-    "Spell the word 'elephant' letter by letter.",
-]
-GREEDY = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
