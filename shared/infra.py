@@ -244,7 +244,7 @@ def _cluster_block(host: str, port: int, routes: Sequence[str]) -> str:
 def start_nats_cluster(size: int = 3, host: str = "127.0.0.1") -> Iterator[list[ServerProcess]]:
     """`size` nats-servers routed to each other as one cluster (each node's client URL in
     its ServerProcess; `cluster_urls` joins them for --nats-url), stopped when the block
-    ends. Yields once every node has its routes (a message crosses between any two)."""
+    ends. Yields once every node knows every node's client URL (its routes are up)."""
     cluster_ports = [free_port(host) for _ in range(size)]
     route_urls = [_url("nats-route", host, p) for p in cluster_ports]
     with contextlib.ExitStack() as stack:
