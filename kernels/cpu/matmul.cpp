@@ -165,6 +165,21 @@ const float* data_or_null(const torch::Tensor& t) {
   return t.numel() ? t.data_ptr<float>() : nullptr;
 }
 
+template <typename W>
+void linear_blocks(const float* x, int64_t m, int64_t k, const W* w, int64_t blocks, int64_t n,
+                   const float* bias, const float* residual, float* y) {
+  const int64_t chunks = (m + JOB_ROWS - 1) / JOB_ROWS;
+  // Jobs run block-major, so consecutive jobs of one claim reuse a cached block.
+  parallel_jobs(blocks * chunks, [&](int64_t begin, int64_t end) {
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t b = job / chunks, col = b * COLS, first = (job % chunks) * JOB_ROWS;
+      Target t{y + first * n + col, bias ? bias + col : nullptr,
+               residual ? residual + first * n + col : nullptr, n, std::min(COLS, n - col)};
+      block_rows(x + first * k, std::min(m, first + JOB_ROWS) - first, k, w + b * k * COLS, t);
+    }
+  });
+}
+
 }  // namespace
 
 torch::Tensor block_weight(const torch::Tensor& weight) {
@@ -184,25 +199,6 @@ torch::Tensor block_weight(const torch::Tensor& weight) {
   blocked.copy_(padded.view({blocks, COLS, k}).transpose(1, 2));
   return blocked;
 }
-
-namespace {
-
-template <typename W>
-void linear_blocks(const float* x, int64_t m, int64_t k, const W* w, int64_t blocks, int64_t n,
-                   const float* bias, const float* residual, float* y) {
-  const int64_t chunks = (m + JOB_ROWS - 1) / JOB_ROWS;
-  // Jobs run block-major, so consecutive jobs of one claim reuse a cached block.
-  parallel_jobs(blocks * chunks, [&](int64_t begin, int64_t end) {
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / chunks, col = b * COLS, first = (job % chunks) * JOB_ROWS;
-      Target t{y + first * n + col, bias ? bias + col : nullptr,
-               residual ? residual + first * n + col : nullptr, n, std::min(COLS, n - col)};
-      block_rows(x + first * k, std::min(m, first + JOB_ROWS) - first, k, w + b * k * COLS, t);
-    }
-  });
-}
-
-}  // namespace
 
 torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& blocked, int64_t n,
                              const torch::Tensor& bias, const std::optional<torch::Tensor>& residual) {
