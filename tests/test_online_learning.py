@@ -8,6 +8,7 @@ output stays the target's own.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -58,11 +59,14 @@ def test_the_heldout_share_is_a_fixed_hash_of_the_prompt() -> None:
     assert held == [is_heldout(list(p), 0.1) for p in prompts]  # the same prompts, always
 
 
-def test_training_on_served_examples_raises_heldout_acceptance(smollm_dir: Path) -> None:
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "NEXTN"])
+def test_training_on_served_examples_raises_heldout_acceptance(
+    smollm_dir: Path, algorithm: str
+) -> None:
     """Numbered lists of a few words: the shipped head drafts them poorly until trained on
     what a drafter would have been sent (the target's features, its tokens)."""
     target = load_model(str(smollm_dir), torch.device("cpu"), torch.float32)
-    head, spec, _ = load_head(Path(shipped_drafter(None, "EAGLE3")), "EAGLE3", target)
+    head, spec, _ = load_head(Path(shipped_drafter(None, algorithm)), algorithm, target)
     options = OnlineOptions(lr=1e-3, heldout_share=0.25, batch_tokens=768)
     trainer = OnlineTrainer(target.requires_grad_(False), head, options)
     tok, rng = Tokenizer(smollm_dir), random.Random(0)
@@ -112,14 +116,15 @@ def reference(smollm_dir: Path) -> dict[str, str]:
 
 class Pool:
     def __init__(self, url: str, nats_url: str, log: Path, root: Path) -> None:
+        """`root`: the learner's directory of one algorithm's versions."""
         self.url, self.nats_url, self.log, self.root = url, nats_url, log, root
 
     def state(self) -> dict:
-        return json.loads((self.root / "eagle3" / "state.json").read_text())
+        return json.loads((self.root / "state.json").read_text())
 
     def push(self, head: Path, name: str) -> None:
         """As an operator would: a checkpoint moved into incoming/ whole."""
-        shutil.move(str(head), self.root / "eagle3" / "incoming" / name)
+        shutil.move(str(head), self.root / "incoming" / name)
 
     def pushed(self, after: int) -> int | None:
         """The version a push after version number `after` became, once it has."""
@@ -161,31 +166,41 @@ def random_head(path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def pool(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
-    """EAGLE-3 learning online with two drafters; the learner publishes whatever it
+@contextlib.contextmanager
+def learning_pool(smollm_dir: Path, root: Path, algorithm: str) -> Iterator[Pool]:
+    """`algorithm` learning online with two drafters; the learner publishes whatever it
     trains (min gain < 0), after rounds of 2 steps, and judges a version live after 20
     verification steps."""
-    root = tmp_path_factory.mktemp("online")
     log = root / "up.log"
-    args = ["--speculative-algorithm", "EAGLE3", "--speculative-online-learning", "--drafters", "2"]
-    args += ["--speculative-online-dir", str(root), "--kv-namespace", "online-test"]
+    args = ["--speculative-algorithm", algorithm, "--speculative-online-learning"]
+    args += ["--drafters", "2", "--speculative-online-dir", str(root)]
+    args += ["--kv-namespace", f"online-{algorithm}"]
     args += ["--speculative-online-min-examples", "4", "--speculative-online-round-steps", "2"]
     args += ["--speculative-online-min-gain", "-10", "--speculative-online-heldout-share", "0.4"]
     args += ["--speculative-online-rollback-steps", str(ROLLBACK_STEPS)]
     with start_nats() as bus, specmesh_up(smollm_dir, "--nats-url", bus.url, *args, log=log) as url:
-        yield Pool(url, bus.url, log, root)
+        yield Pool(url, bus.url, log, root / algorithm.lower())
 
 
-def test_heads_swapped_under_concurrency_leave_output_unchanged(
-    pool: Pool, reference: dict[str, str]
-) -> None:
+@pytest.fixture(scope="module")
+def pool(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    with learning_pool(smollm_dir, tmp_path_factory.mktemp("online"), "EAGLE3") as pool:
+        yield pool
+
+
+def trained_versions_are_drafted_with(pool: Pool, reference: dict[str, str]) -> None:
     assert pool.serve_all() == reference
     pool.wait_for("a trained version", lambda: pool.state()["current"] > 0)
     assert pool.serve_all() == reference  # drafted by the versions published meanwhile
     versions = pool.state()["versions"]
     assert any(v["source"] == "trained" for v in versions.values())
     pool.wait_for("the drafter on it", lambda: pool.drafter_version() == pool.state()["current"])
+
+
+def test_heads_swapped_under_concurrency_leave_output_unchanged(
+    pool: Pool, reference: dict[str, str]
+) -> None:
+    trained_versions_are_drafted_with(pool, reference)
 
 
 def test_a_head_that_drafts_worse_is_rolled_back(
@@ -237,3 +252,13 @@ def test_a_restarted_pool_resumes_the_latest_version(pool: Pool) -> None:
     pool.wait_for("both back", lambda: pool.log.read_text().count("learner-0 ready") == 2)
     pool.wait_for("the drafter on the latest", lambda: pool.drafter_version() == current)
     assert heartbeats(pool.nats_url, 1.5)["learner-0"].head_version == current
+
+
+def test_a_nextn_pool_learns_in_the_mtp_layout(
+    smollm_dir: Path, reference: dict[str, str], tmp_path: Path
+) -> None:
+    """NEXTN's MTP layer learns as EAGLE heads do; its versions are MTP checkpoints."""
+    with learning_pool(smollm_dir, tmp_path, "NEXTN") as pool:
+        trained_versions_are_drafted_with(pool, reference)
+        config = json.loads((pool.root / "versions" / "1" / "config.json").read_text())
+        assert config["num_nextn_predict_layers"] == 1

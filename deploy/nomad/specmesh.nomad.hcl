@@ -14,7 +14,7 @@
 # Clients need the Docker driver, a host volume "specmesh-models" for the model cache, and
 # for the GPU pools the NVIDIA device plugin (device "nvidia/gpu").
 #
-# Online learning (EAGLE, EAGLE3): -var speculative_online_learning=true -var learner_count=1
+# Online learning (EAGLE, EAGLE3, NEXTN): -var speculative_online_learning=true -var learner_count=1
 # runs the pool's learner, which trains on what the drafters serve and publishes heads that
 # do better; its versions persist in the host volume "specmesh-learner", so a restarted
 # pool resumes the latest head.
@@ -77,7 +77,7 @@ variable "speculative_draft_model_path" {
 variable "speculative_online_learning" {
   type        = bool
   default     = false
-  description = "drafters send what they serve to the learner (EAGLE, EAGLE3; learner_count 1)"
+  description = "drafters send what they serve to the learner (EAGLE, EAGLE3, NEXTN; learner_count 1)"
 }
 
 locals {

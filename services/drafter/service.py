@@ -77,7 +77,7 @@ class DrafterService(Service):
         self.on_io_thread = target is None
         self.online: OnlineDrafting | None = None
         if self.spec.speculative_online_learning:
-            assert isinstance(self.drafter, EagleDrafter)  # resolved() allows EAGLE heads only
+            assert isinstance(self.drafter, EagleDrafter)  # as resolved() allows
             self.online = OnlineDrafting(self.drafter, tcfg.open(), self.instance_id)
 
     async def start(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import logging
 import shutil
 import threading
@@ -39,7 +40,7 @@ from shared.protocol import (
 )
 from shared.service import Service, ServiceConfig
 from shared.speculative.config import ONLINE_ALGORITHMS, SpeculativeConfig
-from shared.speculative.eagle import EagleHead, HeadSpec, load_head, save_head
+from shared.speculative.eagle import EagleHead, HeadSpec, load_head, save_head, save_mtp
 from shared.telemetry import (
     EXAMPLES_BUFFERED,
     HELDOUT_ACCEPTANCE,
@@ -78,6 +79,7 @@ class LearnerService(Service):
         device = resolve_device(lcfg.device)
         target_dir = resolve_model(lcfg.model)
         self.target = load_model(str(target_dir), device, torch.float32).requires_grad_(False)
+        self.target_config = json.loads((target_dir / "config.json").read_text())
         root = Path(online.speculative_online_dir) / self.algorithm.lower()
         base = Path(spec.speculative_draft_model_path or "")
         self.versions = HeadVersions(root, base, self.algorithm)
@@ -254,6 +256,13 @@ class LearnerService(Service):
             self.trained_from, self.round_left = current, 0
             log.info("training on from head version %d", current)
 
+    def _save(self, head: EagleHead, path: Path) -> None:
+        """`head` as a checkpoint in the layout the pool's drafters load."""
+        if head.mtp:
+            save_mtp(head, path, self.target_config)
+        else:
+            save_head(head, path, self.target.config, self.spec)
+
     def _judge_candidate(self) -> None:
         """Publish the trained head if it beats the pool's on held-out traffic."""
         if len(self.trainer.heldout) < MIN_HELDOUT:
@@ -274,7 +283,7 @@ class LearnerService(Service):
             if self.versions.current != self.trained_from:
                 return  # the pool moved on while this round ran
             version = self.versions.add(
-                lambda path: save_head(copy.deepcopy(head), path, self.target.config, self.spec),
+                lambda path: self._save(copy.deepcopy(head), path),
                 self.trained_from,
                 "trained",
                 candidate,

@@ -12,7 +12,7 @@ ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN", "DFLASH")
 ALIASES = {"MTP": "NEXTN"}  # SGLang's names for the same algorithm
 # Drafters that grow one chain: a draft step's top-1 only (SGLang: topk 1).
 CHAIN_ONLY = ("NEXTN", "DFLASH")
-ONLINE_ALGORITHMS = ("EAGLE", "EAGLE3")  # heads the learner can train from served traffic
+ONLINE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")  # drafters a learner trains from served traffic
 # Drafters trained here for the default model (see heads/*/README.md for how each was made).
 HEADS_DIR = Path(__file__).parent / "heads"
 SHIPPED = {p.name for p in HEADS_DIR.glob("*") if (p / "config.json").is_file()}
