@@ -55,6 +55,15 @@ def flush_subject(instance_id: str) -> str:
     return f"specmesh.cache.{instance_id}.flush"
 
 
+# KV-aware routing: decode workers say which prefix-cache blocks they gain and lose.
+CACHE_EVENTS = "specmesh.cache.events"  # broadcast
+
+
+def cache_snapshot_subject(instance_id: str) -> str:
+    """A decode worker's: every block hash its prefix cache holds."""
+    return f"specmesh.cache.{instance_id}.snapshot"
+
+
 def gateway_subject(gateway_id: str) -> str:
     return f"specmesh.gateway.{gateway_id}.out"
 
@@ -72,8 +81,9 @@ _ALLOWED: dict[str, tuple[list[str], list[str]]] = {
         [
             *(TOKENIZE, ENCODE, DECODE, PREFILL, ABORT),
             *(decode_subject("*"), resume_subject("*"), flush_subject("*")),
+            cache_snapshot_subject("*"),
         ],
-        [gateway_subject("*"), HEARTBEAT.format(kind="*")],
+        [gateway_subject("*"), HEARTBEAT.format(kind="*"), CACHE_EVENTS],
     ),
     "tokenizer": (
         [gateway_subject("*"), ABORT],
@@ -84,8 +94,11 @@ _ALLOWED: dict[str, tuple[list[str], list[str]]] = {
     ),
     "prefill": ([], [PREFILL, ABORT, flush_subject("*")]),
     "decode": (
-        [detok_subject("*"), drafter_subject("*")],
-        [decode_subject("*"), flush_subject("*"), ABORT, GATEWAY_HEARTBEAT],
+        [detok_subject("*"), drafter_subject("*"), CACHE_EVENTS],
+        [
+            *(decode_subject("*"), flush_subject("*"), cache_snapshot_subject("*")),
+            *(ABORT, GATEWAY_HEARTBEAT),
+        ],
     ),
     "drafter": ([LEARN_EXAMPLES, HEAD_REFUSED], [drafter_subject("*"), ABORT, HEAD_VERSION]),
     "learner": ([HEAD_VERSION], [LEARN_EXAMPLES, HEAD_REFUSED]),
@@ -125,6 +138,7 @@ class PayloadTooLarge(ProtocolError):
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
+BlockHash = Annotated[int, msgspec.Meta(ge=0)]  # shared.kvcache's block_hash: 64 bits
 
 
 class Message(msgspec.Struct):
@@ -206,6 +220,29 @@ class CacheFlushed(Message, kw_only=True):
     blocks: Count  # cached blocks this instance forgot
 
 
+class CacheEvents(Message, kw_only=True):
+    """A numbered batch of what an instance's prefix cache gained and lost (see
+    shared/kvcache/events.py); a gap in the numbers calls for a snapshot."""
+
+    instance_id: str
+    incarnation: str  # the process's (its numbers start over when it restarts)
+    seq: Count
+    block_size: Count
+    stored: list[BlockHash]
+    removed: list[BlockHash]
+
+
+class CacheSnapshotRequest(Message, kw_only=True):
+    """Every block hash the prefix cache holds now."""
+
+
+class CacheSnapshot(Message, kw_only=True):
+    incarnation: str
+    next_seq: Count  # the number of the next CacheEvents batch, which may repeat some of these
+    block_size: Count
+    hashes: list[BlockHash]
+
+
 class PrefillRequest(Message, kw_only=True):
     request_id: str
     prompt_ids: list[TokenId]
@@ -233,7 +270,7 @@ class AdmitRequest(Message, kw_only=True):
     request_id: str
     prompt_ids: list[TokenId]
     params: SamplingParams
-    prefill: PrefillReply
+    prefill: PrefillReply | None  # None: computed here (its prefix cache holds most of it)
     drafter_id: str | None  # None: no speculation
     detok_subject: str  # where TokenBatch messages go
     output_subject: str  # passed along for the detokenizer's TextDelta messages
@@ -424,6 +461,9 @@ _MESSAGES: dict[str, type[Message]] = {
         DecodeReply,
         FlushCache,
         CacheFlushed,
+        CacheEvents,
+        CacheSnapshotRequest,
+        CacheSnapshot,
         PrefillRequest,
         PrefillReply,
         AdmitRequest,

@@ -42,6 +42,7 @@ from deployment import (
 )
 
 from services.gateway.cluster import Cluster, Generation
+from services.gateway.config import GatewayConfig
 from shared.bus import Bus
 from shared.infra import start_nats
 from shared.protocol import (
@@ -611,7 +612,9 @@ def test_a_request_without_output_fails_after_its_idle_timeout() -> None:
 
     async def wait_for_nothing(url: str) -> list[TextDelta]:
         bus = await Bus.connect(url, "test")
-        cluster = Cluster(bus, "gw", 3.0, 10.0, 8, idle_timeout=0.3, model_name="m")
+        cluster = Cluster(
+            bus, "gw", 3.0, 10.0, 8, idle_timeout=0.3, model_name="m", router=GatewayConfig()
+        )
         generation = Generation(cluster, ["lost-request"])
         cluster.outputs["lost-request"] = generation.queue
         deltas = [delta async for delta in generation.deltas()]

@@ -238,15 +238,13 @@ def test_shared_prefix_is_computed_once(ngram: tuple[str, str], smollm_dir: Path
         sample(m, "specmesh_prefill_tokens_total", source="computed") for m in (before, after)
     ]
     first, second = (b["usage"] for b in bodies)
-    assert second["prompt_tokens_details"]["cached_tokens"] >= 512
-    # Prefill computed the first prompt whole and only the tail of the second.
-    assert computed[1] - computed[0] == (
-        first["prompt_tokens"]
-        - first["prompt_tokens_details"]["cached_tokens"]
-        + second["prompt_tokens"]
-        - second["prompt_tokens_details"]["cached_tokens"]
-    )
-    assert second["prompt_tokens"] - second["prompt_tokens_details"]["cached_tokens"] < 64
+    new = [
+        u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"] for u in (first, second)
+    ]
+    assert second["prompt_tokens_details"]["cached_tokens"] >= 512 and new[1] < 64
+    # Prefill computed the first prompt whole; the second's tail was computed once, by
+    # prefill or by the decode worker (KV-aware routing: its prefix cache holds the rest).
+    assert computed[1] - computed[0] in (new[0], new[0] + new[1])
 
 
 def test_one_trace_covers_all_five_services(ngram: tuple[str, str], receiver: OtlpReceiver) -> None:

@@ -2,9 +2,12 @@
 
 A decode worker loads a request's prompt K/V from the transport (blocks its own
 prefix cache holds are skipped), emits the first token prefill sampled, then
-decodes it with continuous batching. With speculation, drafts come from the
-request's drafter instance; with `--overlap` the worker keeps two
-micro-batches in flight so one is drafted while the other is verified.
+decodes it with continuous batching. A request admitted without prefill's reply (the
+gateway saw this worker's prefix cache hold most of it) is computed here. What the
+prefix cache gains and loses goes out as numbered CacheEvents for KV-aware routing.
+With speculation, drafts come from the request's drafter instance; with `--overlap`
+the worker keeps two micro-batches in flight so one is drafted while the other is
+verified.
 Each step's tokens go to the request's detokenizer.
 """
 
@@ -26,20 +29,26 @@ from shared.core.sequence import RemotePrefix
 from shared.core.spec_stats import SpecStats
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import EngineConfig, FirstToken, LLMEngine, TokenOutput
+from shared.kvcache.events import CacheEventLog
 from shared.kvcache.exchange import KVExchange, kv_description, model_fingerprint
 from shared.model.config import ModelConfig
 from shared.model.fetch import resolve_model
 from shared.multimodal.wire import images_from_wire
 from shared.protocol import (
     ABORT,
+    CACHE_EVENTS,
     Abort,
     AdmitRequest,
     Admitted,
+    CacheEvents,
+    CacheSnapshot,
+    CacheSnapshotRequest,
     Heartbeat,
     PrefillReply,
     RemoteError,
     TokenBatch,
     TokenBatches,
+    cache_snapshot_subject,
     decode_subject,
     gateway_subject,
 )
@@ -59,6 +68,8 @@ from shared.telemetry import (
 from shared.transport import TransportConfig
 
 log = logging.getLogger(__name__)
+
+CACHE_EVENTS_INTERVAL_S = 0.05  # a finished turn's blocks reach routers before its next turn
 
 
 class DecodeService(EngineService):
@@ -92,6 +103,7 @@ class DecodeService(EngineService):
         self.engine.kv_exchange = KVExchange(
             self.engine.kv_cache, self.transport, fingerprint, tcfg.kv_ttl, self.kind
         )
+        self.cache_events = self.engine.block_manager.events = CacheEventLog()
         self.driver = AsyncEngine(self.engine, own_thread=False)
         self.engine.start_grammar_compiler()
         self.stream_interval = dcfg.stream_interval
@@ -109,16 +121,50 @@ class DecodeService(EngineService):
         self.outbox = Outbox(self.bus, lambda batches: TokenBatches(batches=batches))
         await self.bus.serve(decode_subject(self.instance_id), self.admit)
         await self.bus.serve(ABORT, self.abort)
+        await self.bus.serve(cache_snapshot_subject(self.instance_id), self.cache_snapshot)
         await self.serve_flush()
+        self._publishing = asyncio.create_task(self._publish_cache_events())
 
     async def drain(self) -> None:
         while self.streams:
             await asyncio.wait(list(self.streams.values()))
 
     async def stop(self) -> None:
+        self._publishing.cancel()
         for task in list(self.streams.values()):
             task.cancel()
         self.transport.close()
+
+    async def _publish_cache_events(self) -> None:
+        while True:
+            await asyncio.sleep(CACHE_EVENTS_INTERVAL_S)
+            changes = self.cache_events.take()
+            if changes is None:
+                continue
+            events = CacheEvents(
+                instance_id=self.instance_id,
+                incarnation=self.incarnation,
+                seq=changes.seq,
+                block_size=self.engine.block_manager.block_size,
+                stored=changes.stored,
+                removed=changes.removed,
+            )
+            try:
+                await self.bus.publish(CACHE_EVENTS, events)
+            except Exception as exc:  # lost: routers see the gap and ask for a snapshot
+                log.warning("cannot publish cache events: %s", exc)
+
+    async def cache_snapshot(self, _: CacheSnapshotRequest) -> CacheSnapshot:
+        blocks = self.engine.block_manager
+        next_seq, hashes = await self.driver.call(
+            lambda: self.cache_events.snapshot(blocks.hash_to_block.keys)
+        )
+        return CacheSnapshot(
+            incarnation=self.incarnation,
+            next_seq=next_seq,
+            block_size=blocks.block_size,
+            hashes=hashes,
+        )
 
     def heartbeat(self) -> Heartbeat:
         engine = self.engine
@@ -152,7 +198,11 @@ class DecodeService(EngineService):
             raise ValueError(f"request {req.request_id} is already decoding here")
         await asyncio.to_thread(self.engine.check_request, req.prompt_ids, req.params)
         pre = req.prefill
-        self._check_kv_format(pre)
+        remote, first = None, None  # no prefill reply: the engine computes the prompt
+        if pre is not None:
+            self._check_kv_format(pre)
+            remote = RemotePrefix(pre.kv_keys, len(req.prompt_ids))
+            first = FirstToken(pre.first_token, pre.logprob, pre.top_logprobs)
         ctx = otel_context.get_current()
         if self.client is not None:
             self.client.assign(req.request_id, req.drafter_id, ctx)
@@ -160,8 +210,8 @@ class DecodeService(EngineService):
             req.request_id,
             req.prompt_ids,
             req.params,
-            RemotePrefix(pre.kv_keys, len(req.prompt_ids)),
-            FirstToken(pre.first_token, pre.logprob, pre.top_logprobs),
+            remote,
+            first,
             images_from_wire(req.images),
         )
         task = asyncio.create_task(self._forward(req, stream))
@@ -207,11 +257,14 @@ class DecodeService(EngineService):
     ) -> None:
         """The request's tokens to its detokenizer, with the other requests' of each step,
         once `stream_interval` of them have gathered (or the request ended)."""
-        cached = len(req.prompt_ids) - req.prefill.num_computed_tokens
+        pre = req.prefill
+        cached = None if pre is None else len(req.prompt_ids) - pre.num_computed_tokens
         want_logprobs = req.params.logprobs is not None
         gathered: list[TokenOutput] = []
         try:
             async for outputs in stream:
+                if cached is None:  # computed here: its first output says what was reused
+                    cached = outputs[0].num_reused_tokens
                 gathered += outputs
                 if len(gathered) < self.stream_interval and outputs[-1].finish_reason is None:
                     continue

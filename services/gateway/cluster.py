@@ -4,9 +4,10 @@ Every service heartbeats; an instance silent for `instance_timeout` seconds (or
 saying goodbye) is dropped. Requests it was decoding move to another decode
 worker, which prefills their prompt and the tokens they have so far and decodes
 on (greedy output is unchanged); with no worker coming up they fail with an
-error instead of hanging. A request goes to the
-least loaded decode worker and the least loaded drafter running that worker's
-algorithm, and stays with them. Its text comes back on this gateway's subject.
+error instead of hanging. A request goes to the decode worker the router picks
+(router.py: by load, or by load and prefix-cache overlap) and the least loaded
+drafter running that worker's algorithm, and stays with them. Its text comes back
+on this gateway's subject.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway.cache_index import CacheIndex
+from services.gateway.config import GatewayConfig
+from services.gateway.router import DEFAULT_BLOCK_SIZE, Candidate, best, computes_locally
 from shared.bus import Bus, BusError, NoResponders
 from shared.core.spec_stats import SpecStats
 from shared.protocol import (
@@ -98,7 +102,7 @@ class Placement:
     prompt_text: str
     decode_id: str
     drafter_id: str | None
-    num_computed_tokens: int  # prompt tokens prefill computed (the rest were cached)
+    num_computed_tokens: int  # prompt tokens computed (the rest were cached); decode's word
 
 
 class ServerStats:
@@ -156,12 +160,20 @@ class Generation:
             self.cluster.abort(request_id)
         self.unfinished.clear()
 
+    def _computed(self, delta: TextDelta) -> None:
+        """What the decode worker says was computed of the prompt (it knows when it
+        computed the prompt itself)."""
+        placement = self.placements.get(delta.request_id)
+        if placement is not None and delta.num_prompt_tokens == len(placement.prompt_ids):
+            placement.num_computed_tokens = delta.num_prompt_tokens - delta.num_cached_tokens
+
     def _record(self, delta: TextDelta) -> None:
         now, rid, model = time.perf_counter(), delta.request_id, self.cluster.model_name
         if delta.num_tokens:
             last = self.last_token_at.get(rid)
             if last is None:
                 TTFT.labels(model).observe(now - self.arrival)
+                self._computed(delta)
             else:
                 for _ in range(delta.num_tokens):  # the tokens of one step arrive together
                     ITL.labels(model).observe((now - last) / delta.num_tokens)
@@ -187,7 +199,9 @@ class Cluster:
         max_pending: int,
         idle_timeout: float,
         model_name: str,
+        router: GatewayConfig,
     ) -> None:
+        """`router`: the --router-* options."""
         self.bus = bus
         self.gateway_id = gateway_id
         self.model_name = model_name  # the `model_name` label of the request metrics
@@ -195,6 +209,8 @@ class Cluster:
         self.request_timeout = request_timeout
         self.idle_timeout = idle_timeout
         self.max_pending = max_pending
+        self.router = router
+        self.cache_index = CacheIndex(bus)
         self.instances: dict[str, dict[str, Instance]] = {}
         self.outputs: dict[str, asyncio.Queue[TextDelta]] = {}  # by request id
         # the tokenizer and decode worker each request's output flows through
@@ -208,6 +224,8 @@ class Cluster:
     async def start(self) -> None:
         await self.bus.serve(gateway_subject(self.gateway_id), self._on_deltas)
         await self.bus.serve(HEARTBEAT.format(kind="*"), self._on_heartbeat)
+        if self.router.router_policy == "kv-aware":
+            await self.cache_index.start()
         self._watchdog = asyncio.create_task(self._watch())
 
     async def stop(self) -> None:
@@ -257,6 +275,8 @@ class Cluster:
         text a lost tokenizer carried fail; a lost drafter only costs its requests their
         drafts."""
         self.instances.get(kind, {}).pop(instance_id, None)
+        if kind == "decode":
+            self.cache_index.forget(instance_id)
         if kind == "prefill":
             self._prefill_lost.set()
             self._prefill_lost = asyncio.Event()
@@ -334,18 +354,14 @@ class Cluster:
             await asyncio.sleep(0.5)
             await self._worker_up("prefill", max(0.0, deadline - time.monotonic()))
 
-    def _choose(
-        self, kind: str, algorithm: str | None = None, avoid: str | None = None
-    ) -> Instance | None:
-        """The least loaded instance that takes new work (`avoid` only if it is the last)."""
+    def _choose(self, kind: str, algorithm: str | None = None) -> Instance | None:
+        """The least loaded instance that takes new work."""
         candidates = [
             i
             for i in self.live(kind)
             if not i.heartbeat.draining and algorithm in (None, i.heartbeat.algorithm)
         ]
-        chosen = min(
-            candidates, key=lambda i: (i.heartbeat.instance_id == avoid, i.load), default=None
-        )
+        chosen = min(candidates, key=lambda i: i.load, default=None)
         if chosen is not None:
             chosen.routed += 1
             ROUTED.labels(kind, chosen.heartbeat.instance_id).inc()
@@ -391,17 +407,10 @@ class Cluster:
         tokenize.max_tokens = self.max_model_len()
         tokens = await self.bus.request(TOKENIZE, tokenize, TokenizeReply, 10)
         prompt_ids = tokens.prompt_ids
-        decode, drafter, prefill = await self._place(
+        decode, drafter, computed = await self._place(
             request_id, prompt_ids, params, tokens.tokenizer_id, images=tokens.images
         )
-        return Placement(
-            request_id,
-            prompt_ids,
-            tokens.prompt_text,
-            decode,
-            drafter,
-            prefill.num_computed_tokens,
-        )
+        return Placement(request_id, prompt_ids, tokens.prompt_text, decode, drafter, computed)
 
     async def _place(
         self,
@@ -411,23 +420,29 @@ class Cluster:
         tokenizer_id: str,
         avoid: str | None = None,
         images: list[ImageData] | None = None,
-    ) -> tuple[str, str | None, PrefillReply]:
-        """Prefill the prompt and admit it to the least loaded decode worker but `avoid`
-        (and a drafter for it): (decode id, drafter id, prefill's reply). A worker that does
+    ) -> tuple[str, str | None, int]:
+        """Admit the prompt to the decode worker the router picks, `avoid` only if it is
+        the last (and a drafter for it), prefilled unless the worker computes it itself:
+        (decode id, drafter id, prompt tokens computed as far as known). A worker that does
         not answer the admission is dropped, and the request moves as its others do."""
-        decode = self._choose("decode", avoid=avoid)
-        if decode is None:
+        routed = self._choose_decode(prompt_ids, avoid, images)
+        if routed is None:
             raise Unavailable("no decode worker is available")
+        decode, candidate = routed
         if params.max_tokens == 0:
             room = decode.heartbeat.max_model_len - len(prompt_ids)
             params = dataclasses.replace(params, max_tokens=max(room, 1))
         algorithm = decode.heartbeat.algorithm
         drafter = self._choose("drafter", algorithm) if algorithm else None
-        prefill = await self._prefill(
-            PrefillRequest(
-                request_id=request_id, prompt_ids=prompt_ids, params=params, images=images
+        prefill = None
+        computed = len(prompt_ids) - candidate.cached_tokens
+        if not computes_locally(candidate, len(prompt_ids), self.router):
+            prefill = await self._prefill(
+                PrefillRequest(
+                    request_id=request_id, prompt_ids=prompt_ids, params=params, images=images
+                )
             )
-        )
+            computed = prefill.num_computed_tokens
         decode_id = decode.heartbeat.instance_id
         drafter_id = drafter.heartbeat.instance_id if drafter else None
         self.workers_of[request_id] = (tokenizer_id, decode_id)
@@ -450,7 +465,37 @@ class Cluster:
         except BusError as lost:  # not an answer: chosen, it died before its heartbeats stopped
             log.warning("decode %s did not admit %s (%s); dropping it", decode_id, request_id, lost)
             self._drop("decode", decode_id)  # its requests move, this one with them
-        return decode_id, drafter_id, prefill
+        return decode_id, drafter_id, computed
+
+    def _choose_decode(
+        self, prompt_ids: list[int], avoid: str | None, images: list[ImageData] | None
+    ) -> tuple[Instance, Candidate] | None:
+        """The router's pick among the decode workers taking new work (`avoid` only if it
+        is the last). The prefix caches are not searched for prompts with images, whose
+        blocks' hashes depend on them."""
+        live = [i for i in self.live("decode") if not i.heartbeat.draining]
+        live = [i for i in live if i.heartbeat.instance_id != avoid] or live
+        if not live:
+            return None
+        cached = {} if images else self.cache_index.cached_tokens(prompt_ids)
+        chosen = best([self._candidate(i, cached) for i in live], len(prompt_ids), self.router)
+        instance = self.instances["decode"][chosen.instance_id]
+        instance.routed += 1
+        ROUTED.labels("decode", chosen.instance_id).inc()
+        return instance, chosen
+
+    def _candidate(self, instance: Instance, cached: dict[str, int]) -> Candidate:
+        hb = instance.heartbeat
+        cache = self.cache_index.workers.get(hb.instance_id)
+        return Candidate(
+            instance_id=hb.instance_id,
+            requests=instance.load[0],
+            blocks_free=hb.kv_blocks_free,
+            blocks_total=hb.kv_blocks_total,
+            routed=instance.routed,
+            block_size=cache.block_size if cache else DEFAULT_BLOCK_SIZE,
+            cached_tokens=cached.get(hb.instance_id, 0),
+        )
 
     def abort(self, request_id: str) -> None:
         """Drop the request in every service. Not awaited: it must also work while the

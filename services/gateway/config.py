@@ -8,6 +8,8 @@ from shared.config import model_name_of, model_option, option, secret_option
 from shared.parsers.reasoning import REASONING_PARSERS
 from shared.parsers.tools import TOOL_PARSERS
 
+ROUTER_POLICIES = ("load", "kv-aware")  # services/gateway/router.py
+
 
 @dataclass
 class GatewayConfig:
@@ -35,6 +37,19 @@ class GatewayConfig:
     request_timeout: float = option(120.0, "seconds a prefill may take, queueing included")
     request_idle_timeout: float = option(
         60.0, "seconds an admitted request may go without output before it fails"
+    )
+    router_policy: str = option(
+        "kv-aware",
+        "how a request picks its decode worker: load, or kv-aware (load and prefix-cache overlap)",
+        choices=ROUTER_POLICIES,
+    )
+    router_kv_overlap_weight: float = option(
+        1.0, "kv-aware: the cost of a prompt block to compute, against a KV block in use"
+    )
+    router_local_prefill_tokens: int = option(
+        256,
+        "kv-aware: a decode worker whose prefix cache holds most of a prompt computes the "
+        "rest itself, without prefill, when it is at most this many tokens (0: never)",
     )
 
     @property

@@ -75,6 +75,7 @@ class GatewayService(Service):
             g.max_pending_requests,
             g.request_idle_timeout,
             g.model_name,
+            g,
         )
         await self.cluster.start()
         app = build_app(self.cluster, g)

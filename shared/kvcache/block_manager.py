@@ -16,6 +16,7 @@ import numpy as np
 
 from shared.core.images import PromptImages
 from shared.core.sequence import Sequence
+from shared.kvcache.events import CacheEventLog
 
 
 def block_hash(tokens: list[int], prev_hash: int | None, salt: bytes = b"") -> int:
@@ -51,6 +52,7 @@ class BlockManager:
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.reused_tokens = 0  # prompt tokens served from the prefix cache, all time
+        self.events: CacheEventLog | None = None  # set: hash_to_block's keys come and go here
 
     @property
     def num_free(self) -> int:
@@ -63,9 +65,14 @@ class BlockManager:
         self.free_ids.remove(block_id)
         block = self.blocks[block_id]
         if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
-            del self.hash_to_block[block.hash]
+            self._forget(block.hash)
         block.hash, block.tokens, block.ref_count = None, [], 1
         return block
+
+    def _forget(self, block_hash: int) -> None:
+        del self.hash_to_block[block_hash]
+        if self.events is not None:
+            self.events.remove(block_hash)
 
     def flush(self) -> int:
         """Forget the prefix cache held by free blocks (blocks in use keep theirs, so
@@ -76,7 +83,7 @@ class BlockManager:
             if block.hash is None:
                 continue
             if self.hash_to_block.get(block.hash) == block_id:
-                del self.hash_to_block[block.hash]
+                self._forget(block.hash)
             block.hash, block.tokens = None, []
             forgotten += 1
         return forgotten
@@ -148,4 +155,6 @@ class BlockManager:
             prev = self.blocks[seq.block_table[i - 1]].hash if i else None
             block.tokens = seq.token_ids[i * bs : (i + 1) * bs]
             block.hash = block_hash(block.tokens, prev, block_salt(seq.images, i, bs))
+            if self.events is not None and block.hash not in self.hash_to_block:
+                self.events.store(block.hash)
             self.hash_to_block[block.hash] = block.block_id
