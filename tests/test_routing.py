@@ -75,7 +75,7 @@ def test_the_index_counts_leading_cached_blocks_never_the_last_token() -> None:
 
 
 def candidate(name: str, cached: int, used: int, requests: int = 1) -> Candidate:
-    return Candidate(name, requests, 100 - used, 100, 0, 16, cached)
+    return Candidate(name, requests, 100 - used, used, 16, cached)
 
 
 def test_the_router_trades_overlap_against_load() -> None:

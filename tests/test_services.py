@@ -292,6 +292,34 @@ def test_two_decoders_two_drafters_under_concurrency(
             assert sample(metrics, "specmesh_kv_transport_bytes_total", **_kv("decode", "read"))
 
 
+def test_a_conversations_next_turn_is_computed_where_its_last_ran(
+    standalone: tuple[str, str, Path], smollm_dir: Path
+) -> None:
+    """KV-aware routing: the second turn goes to the decode worker whose prefix cache holds
+    the first turn and its answer, which computes only the new message (no store holds the
+    answer's K/V); the text is the in-process engine's."""
+    url, _, _ = standalone
+    messages = [{"role": "user", "content": "Describe a lighthouse in three sentences."}]
+    usage = []
+    for follow_up in ("Now describe its keeper.", None):
+        body = {"messages": messages, **GREEDY, "max_tokens": 48}
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).json()
+        usage.append(reply["usage"])
+        text = reply["choices"][0]["message"]["content"]
+        if follow_up is not None:
+            messages += [
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": follow_up},
+            ]
+    assert usage[1]["prompt_tokens_details"]["cached_tokens"] > usage[0]["prompt_tokens"]
+    tok = Tokenizer(smollm_dir)
+    engine = LLMEngine(EngineConfig(model=str(smollm_dir), kv_cache_gb=0.25))
+    [expected] = engine.generate(
+        [tok.encode_chat(messages)], SamplingParams(temperature=0.0, max_tokens=48)
+    )
+    assert text == tok.decode(expected)
+
+
 def test_learned_drafters_over_the_services_are_lossless(
     learned: tuple[str, str], reference: dict[str, str]
 ) -> None:

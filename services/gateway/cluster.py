@@ -77,6 +77,14 @@ class Instance:
     heartbeat: Heartbeat
     last_seen: float
     routed: int = 0  # requests this gateway sent it since its last heartbeat
+    blocks_routed: int = 0  # their prompts' KV blocks
+    blocks_released: int = 0  # KV blocks of this gateway's requests that ended there since
+
+    def blocks_used(self) -> int:
+        """KV blocks its requests hold, estimated from its heartbeat and what happened since."""
+        hb = self.heartbeat
+        used = hb.kv_blocks_total - hb.kv_blocks_free + self.blocks_routed - self.blocks_released
+        return max(0, used)
 
     @property
     def load(self) -> tuple[int, int]:
@@ -184,6 +192,7 @@ class Generation:
             E2E.labels(model).observe(now - self.arrival)
             placement = self.placements.get(rid)  # a moved request's prompt grew
             prompt = len(placement.prompt_ids) if placement else delta.num_prompt_tokens
+            self.cluster.ended(rid, delta.num_prompt_tokens + self.tokens[rid])
             PROMPT_TOKENS.labels(model).inc(prompt)
             GENERATION_TOKENS.labels(model).inc(self.tokens[rid])
             self.cluster.stats.add(self.tokens[rid], delta.spec)
@@ -481,21 +490,32 @@ class Cluster:
         chosen = best([self._candidate(i, cached) for i in live], len(prompt_ids), self.router)
         instance = self.instances["decode"][chosen.instance_id]
         instance.routed += 1
+        instance.blocks_routed += -(-len(prompt_ids) // chosen.block_size)
         ROUTED.labels("decode", chosen.instance_id).inc()
         return instance, chosen
 
     def _candidate(self, instance: Instance, cached: dict[str, int]) -> Candidate:
         hb = instance.heartbeat
-        cache = self.cache_index.workers.get(hb.instance_id)
         return Candidate(
             instance_id=hb.instance_id,
             requests=instance.load[0],
             blocks_free=hb.kv_blocks_free,
-            blocks_total=hb.kv_blocks_total,
-            routed=instance.routed,
-            block_size=cache.block_size if cache else DEFAULT_BLOCK_SIZE,
+            blocks_used=instance.blocks_used(),
+            block_size=self._block_size(hb.instance_id),
             cached_tokens=cached.get(hb.instance_id, 0),
         )
+
+    def _block_size(self, decode_id: str) -> int:
+        cache = self.cache_index.workers.get(decode_id)
+        return cache.block_size if cache else DEFAULT_BLOCK_SIZE
+
+    def ended(self, request_id: str, tokens: int) -> None:
+        """A sequence of `tokens` (prompt and output) ended: its decode worker's blocks
+        are free of it."""
+        workers = self.workers_of.get(request_id)
+        instance = self.instances.get("decode", {}).get(workers[1]) if workers else None
+        if instance is not None:
+            instance.blocks_released += -(-tokens // self._block_size(workers[1]))
 
     def abort(self, request_id: str) -> None:
         """Drop the request in every service. Not awaited: it must also work while the

@@ -8,9 +8,11 @@ heartbeat), then the most free KV blocks.
     w * new_i + used_i
 
 where new_i is the number of the prompt's blocks i would compute (those past the prefix
-its cache holds, known from its CacheEvents), used_i the blocks its requests hold (total
-- free at its last heartbeat) plus the prompt's blocks for each request routed to it
-since, and w is `--router-kv-overlap-weight`. The lowest cost wins, ties by load. A
+its cache holds, known from its CacheEvents), used_i the blocks its requests hold: total
+- free at its last heartbeat, plus the prompts' blocks of the requests this gateway
+routed to it since, minus the blocks of those that finished since (a turn that just
+ended on a worker holds nothing there any more, only cache), and w is
+`--router-kv-overlap-weight`. The lowest cost wins, ties by load. A
 worker whose cache holds most of the prompt computes the rest itself, skipping prefill
 and the K/V transfer, when that rest is at most `--router-local-prefill-tokens`:
 prefill's reuse goes through the KV store, which holds prompts, while decode caches also
@@ -31,8 +33,7 @@ class Candidate:
     instance_id: str
     requests: int  # active + waiting + routed since its heartbeat
     blocks_free: int
-    blocks_total: int
-    routed: int  # requests routed to it since its heartbeat
+    blocks_used: int  # by its requests, as estimated (see the module doc)
     block_size: int
     cached_tokens: int  # of this prompt, in its prefix cache
 
@@ -42,10 +43,8 @@ def load_key(c: Candidate) -> tuple[int, int]:
 
 
 def kv_cost(c: Candidate, prompt_tokens: int, weight: float) -> float:
-    prompt_blocks = -(-prompt_tokens // c.block_size)
     new = -(-(prompt_tokens - c.cached_tokens) // c.block_size)
-    used = c.blocks_total - c.blocks_free + c.routed * prompt_blocks
-    return weight * new + used
+    return weight * new + c.blocks_used
 
 
 def best(candidates: list[Candidate], prompt_tokens: int, cfg: GatewayConfig) -> Candidate:
