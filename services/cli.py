@@ -49,6 +49,13 @@ def _up(args: argparse.Namespace) -> None:
     sys.exit(Launcher(configs).run())
 
 
+def _plan(args: argparse.Namespace) -> None:
+    from services.planner import PlanConfig, measure, report
+
+    cfg = dataclass_from_args(PlanConfig, args)
+    print(report(measure(cfg, dataclass_from_args(NatsAuth, args)), cfg))
+
+
 def _fetch_model(args: argparse.Namespace) -> None:
     from shared.model.fetch import ModelFetchError, fetch_default_model
 
@@ -111,7 +118,18 @@ def main(argv: list[str] | None = None) -> None:
         sweep,
     )
 
-    for command in (up, fetch, train, bench_spec):
+    from services.planner import PlanConfig
+
+    plan = commands.add_parser(
+        "plan",
+        help="measure the live load; print how many decode workers and drafters it needs",
+        formatter_class=HelpFormatter,
+    )
+    add_dataclass_args(plan, PlanConfig)
+    add_dataclass_args(plan, NatsAuth)
+    plan.set_defaults(run=_plan)
+
+    for command in (up, fetch, train, bench_spec, plan):
         add_dataclass_args(command, LogConfig)
     args = parser.parse_args(argv)
     try:

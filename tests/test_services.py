@@ -247,6 +247,24 @@ def test_shared_prefix_is_computed_once(ngram: tuple[str, str], smollm_dir: Path
     assert computed[1] - computed[0] in (new[0], new[0] + new[1])
 
 
+def test_plan_sizes_the_pools_from_live_load(ngram: tuple[str, str]) -> None:
+    url, nats_url = ngram
+    argv = [sys.executable, "-m", "services.cli", "plan", "--nats-url", nats_url, "--window", "4"]
+    with ThreadPoolExecutor(2) as pool:
+        planning = pool.submit(subprocess.run, argv, capture_output=True, text=True, timeout=120)
+        while not planning.done():
+            chat_text(url, "Count from one to twenty in words.", **GREEDY)
+    result = planning.result()
+    assert result.returncode == 0, result.stderr
+    decode = re.search(
+        r"decode workers +1 now, (\d+)% busy, step ([\d.]+) ms -> (\d+)", result.stdout
+    )
+    assert decode is not None, result.stdout
+    assert int(decode[1]) > 0 and float(decode[2]) > 0 and int(decode[3]) >= 1
+    assert re.search(r"drafters +1 now, \d+% busy", result.stdout)
+    assert "-var decode_count=" in result.stdout
+
+
 def test_one_trace_covers_all_five_services(ngram: tuple[str, str], receiver: OtlpReceiver) -> None:
     url, _ = ngram
     response = chat(url, "Say hello.", **GREEDY)
