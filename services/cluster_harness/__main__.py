@@ -1,0 +1,68 @@
+"""scripts/cluster's command line (`python -m services.cluster_harness`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.cluster_harness import commands, netns
+from services.cluster_harness.errors import ClusterError
+from services.cluster_harness.topology import all_hosts
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="scripts/cluster",
+        description="specmesh on many hosts of one machine: Linux network namespaces on a "
+        "bridge, a 3-node NATS cluster, valkey, one host per service instance.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser(
+        "up",
+        help="create the hosts and start everything; returns once the gateway serves",
+        description="Services also take every other option as a SPECMESH_* variable set "
+        "for this command (e.g. SPECMESH_KV_CACHE_GB=0.25), as in docker-compose.yml.",
+    )
+    up.add_argument("--port", type=int, help="the gateway also at http://127.0.0.1:PORT")
+    up.add_argument(
+        "--delay-ms", type=float, help="delay every packet a host sends (tc netem), in ms"
+    )
+    up.add_argument("--model", help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
+    up.add_argument("--speculative-algorithm", default="NGRAM", help="(default: NGRAM)")
+    sub.add_parser("hosts", help="the hosts, their addresses, what runs where")
+    names = ", ".join(h.name for h in all_hosts())
+    for name, help in (
+        ("kill", "SIGKILL a host's process"),
+        ("start", "start a killed host's process again"),
+        ("partition", "cut a host's link to the bridge"),
+        ("heal", "restore a partitioned host's link"),
+    ):
+        sub.add_parser(name, help=help).add_argument("host", help=names)
+    sub.add_parser("down", help="remove every host, link, process and the state")
+    return parser
+
+
+def main() -> None:
+    parser = _parser()
+    args = parser.parse_args()
+    try:
+        netns.check_root()  # every subcommand changes the network or reads root's state
+        if args.command == "up":
+            if args.port is not None and not 0 < args.port < 65536:
+                raise ClusterError(f"--port {args.port} is not a TCP port")
+            if args.delay_ms is not None and args.delay_ms < 0:
+                raise ClusterError("--delay-ms must be at least 0")
+            commands.up(args.port, args.delay_ms, args.model, args.speculative_algorithm)
+        elif args.command in ("hosts", "down"):
+            getattr(commands, args.command)()
+        else:
+            getattr(commands, args.command)(args.host)
+    # ValueError: an option the services' own configs refuse; RuntimeError: shared/infra.py
+    # finding no nats-server or valkey-server
+    except (ClusterError, ValueError, RuntimeError) as exc:
+        parser.exit(2, f"scripts/cluster {args.command}: error: {exc}\n")
+    except KeyboardInterrupt:
+        parser.exit(130, f"scripts/cluster {args.command}: interrupted\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The network: a bridge in the root namespace, and per host a namespace joined to it by
+a veth pair, through iproute2's `ip` and `tc`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+from services.cluster_harness.errors import ClusterError
+from services.cluster_harness.topology import BRIDGE, PREFIX, PREFIX_LEN, ROOT_ADDRESS, Host
+
+
+def _run(argv: list[str]) -> str:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        raise ClusterError(f"{argv[0]} not found: apt-get install -y iproute2") from None
+    if done.returncode != 0:
+        raise ClusterError(f"`{' '.join(argv)}` failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+def ip(*args: str) -> str:
+    return _run(["ip", *args])
+
+
+def check_root() -> None:
+    if os.geteuid() != 0:
+        raise ClusterError("needs root: it creates network namespaces and links (try sudo)")
+    if shutil.which("ip") is None:
+        raise ClusterError("`ip` not found: apt-get install -y iproute2")
+
+
+def check_namespaces() -> None:
+    """Raise unless this process may create network namespaces (root, CAP_NET_ADMIN)."""
+    check_root()
+    probe = f"{PREFIX}probe-{os.getpid()}"  # ours by its prefix: `down` removes a leftover
+    try:
+        ip("netns", "add", probe)
+    except ClusterError as exc:
+        raise ClusterError(f"the kernel refuses network namespaces here: {exc}") from None
+    ip("netns", "delete", probe)
+
+
+def create_bridge() -> None:
+    ip("link", "add", BRIDGE, "type", "bridge")
+    ip("addr", "add", f"{ROOT_ADDRESS}/{PREFIX_LEN}", "dev", BRIDGE)
+    ip("link", "set", BRIDGE, "up")
+
+
+def bridge_exists() -> bool:
+    return subprocess.run(["ip", "link", "show", BRIDGE], capture_output=True).returncode == 0
+
+
+def add_host(host: Host, delay_ms: float | None) -> None:
+    """The host's namespace, its eth0 on the bridge at its address, and (delay_ms) a
+    link that delays each packet the host sends by that much."""
+    ns = host.namespace
+    ip("netns", "add", ns)
+    ip("link", "add", host.link, "type", "veth", "peer", "name", "eth0", "netns", ns)
+    ip("link", "set", host.link, "master", BRIDGE, "up")
+    ip("-n", ns, "addr", "add", f"{host.address}/{PREFIX_LEN}", "dev", "eth0")
+    ip("-n", ns, "link", "set", "eth0", "up")
+    ip("-n", ns, "link", "set", "lo", "up")
+    if delay_ms:
+        _delay(ns, delay_ms)
+
+
+def _delay(namespace: str, delay_ms: float) -> None:
+    if shutil.which("tc") is None:
+        raise ClusterError("--delay-ms needs `tc`: apt-get install -y iproute2")
+    argv = ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", "eth0", "root"]
+    try:
+        _run([*argv, "netem", "delay", f"{delay_ms}ms"])
+    except ClusterError as exc:
+        raise ClusterError(
+            f"--delay-ms needs the kernel's netem queueing discipline (sch_netem), which "
+            f"this kernel does not offer; start without --delay-ms ({exc})"
+        ) from None
+
+
+def set_link(host: Host, up: bool) -> None:
+    """Connect (up) or cut (down) the host's link to the bridge: a partition, both ways."""
+    ip("link", "set", host.link, "up" if up else "down")
+
+
+def link_is_up(host: Host) -> bool:
+    shown = json.loads(ip("-j", "link", "show", host.link))
+    return "UP" in shown[0]["flags"]
+
+
+def our_namespaces() -> list[str]:
+    listed = json.loads(ip("-j", "netns", "list") or "[]")
+    return [entry["name"] for entry in listed if entry["name"].startswith(PREFIX)]
+
+
+def namespace_pids(namespace: str) -> list[int]:
+    return [int(pid) for pid in ip("netns", "pids", namespace).split()]
+
+
+def remove_network() -> int:
+    """Delete our links, namespaces and bridge (processes in them must be gone first);
+    returns how many namespaces there were."""
+    # Deleting a veth's root end deletes its other end at once; a namespace's deletion
+    # would take its veth along only once the kernel gets round to it.
+    for link in json.loads(ip("-j", "link", "show")):
+        if link["ifname"].startswith(PREFIX) and link["ifname"] != BRIDGE:
+            ip("link", "delete", link["ifname"])
+    namespaces = our_namespaces()
+    for ns in namespaces:
+        ip("netns", "delete", ns)
+    if bridge_exists():
+        ip("link", "delete", BRIDGE)
+    return len(namespaces)
