@@ -44,7 +44,7 @@ from deployment import (
 from services.gateway.cluster import Cluster, Generation
 from services.gateway.config import GatewayConfig
 from shared.bus import Bus
-from shared.infra import start_nats
+from shared.infra import free_port, start_nats, start_valkey
 from shared.protocol import (
     ABORT,
     HEARTBEAT,
@@ -627,3 +627,24 @@ def test_a_request_without_output_fails_after_its_idle_timeout() -> None:
         [delta] = asyncio.run(wait_for_nothing(nats_server.url))
     assert delta.finish_reason == "error" and "no output for 0.3 s" in delta.error
     assert time.monotonic() - start < 5
+
+
+def test_requests_complete_while_the_kv_store_is_down(smollm_dir: Path) -> None:
+    """valkey stopped, then started again empty: prefill computes whole prompts and hands
+    over keys it could not store, decode computes what it cannot load; nothing fails and
+    every answer is the one from before. (Load-only routing: each prompt takes prefill's
+    path, not a decode worker's cache.)"""
+    port = free_port()
+    valkey = start_valkey(port)
+    args = ["--kv-transport", "redis", "--redis-url", valkey.url, "--router-policy", "load"]
+    try:
+        with start_nats() as bus, specmesh_up(smollm_dir, "--nats-url", bus.url, *args) as url:
+            before = [chat_text(url, p, **GREEDY) for p in PROMPTS]
+            valkey.stop()
+            down = [chat(url, p, **GREEDY) for p in PROMPTS]
+            valkey = start_valkey(port)
+            after = [chat_text(url, p, **GREEDY) for p in PROMPTS]
+    finally:
+        valkey.stop()
+    assert [r.status_code for r in down] == [200] * len(PROMPTS), [r.text for r in down]
+    assert [r.json()["choices"][0]["message"]["content"] for r in down] == before == after

@@ -84,13 +84,19 @@ class PrefillEngine(LLMEngine):
             self.kv_exchange.export_features(keys, self.feature_tag, torch.cat(rows), start // bs)
 
     def _hand_over(self, seq: Sequence) -> None:
-        """A finishing prompt's K/V (and features) to the transport, its keys to the service."""
+        """A finishing prompt's K/V (and features) to the transport, its keys to the service.
+        With the store unreachable the keys go anyway: decode computes what it cannot load."""
         if seq.num_computed_tokens >= seq.num_prompt_tokens:
             keys = self.kv_exchange.keys(seq.prompt_ids, seq.images)
             try:
                 self._export(seq, keys)
                 self.handoff[seq.request_id] = keys
-            except Exception as exc:  # a transport failure fails this request, not the engine
+            except ConnectionError as exc:
+                log.warning(
+                    "cannot store %s's K/V (decode will compute it): %s", seq.request_id, exc
+                )
+                self.handoff[seq.request_id] = keys
+            except Exception as exc:  # any other failure fails this request, not the engine
                 log.exception("cannot store %s's K/V", seq.request_id)
                 self.handoff[seq.request_id] = RemoteError(f"KV transport failed: {exc}", 503)
         self.features.pop(seq.request_id, None)
@@ -170,7 +176,11 @@ class PrefillService(EngineService):
         keys = exchange.keys(req.prompt_ids, placed)
         # Full blocks only, and never the last prompt token: its logits are needed.
         reusable = (len(req.prompt_ids) - 1) // bs
-        stored = await asyncio.to_thread(exchange.stored_blocks, keys[:reusable])
+        try:
+            stored = await asyncio.to_thread(exchange.stored_blocks, keys[:reusable])
+        except ConnectionError as exc:  # the store is down: compute the whole prompt
+            log.warning("prefix lookup failed for %s: %s", req.request_id, exc)
+            stored = 0
         remote = RemotePrefix(keys, stored * bs) if stored else None
         params = dataclasses.replace(req.params, max_tokens=1)
         ACTIVE_REQUESTS.labels(self.kind).inc()
