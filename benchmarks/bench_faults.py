@@ -66,7 +66,7 @@ def one_run(
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             late.extend(pool.map(lambda p: chat(d.url, p, **GREEDY), PROMPTS))
 
-    results, seconds = fault_mid_stream(d, PROMPTS * 2, kill_then_send, GREEDY)
+    results, seconds = fault_mid_stream(d.url, PROMPTS * 2, kill_then_send, GREEDY)
     failures = [
         f"stream {i}: {error or 'changed text'}"
         for i, (text, error) in enumerate(results)

@@ -272,14 +272,15 @@ def stream_until_done(
 
 
 def fault_mid_stream(
-    d: Deployment, prompts: list[str], fault: Callable[[], None], params: dict[str, Any]
+    url: str, prompts: list[str], fault: Callable[[], None], params: dict[str, Any]
 ) -> tuple[list[tuple[str, dict]], float]:
-    """Streams `prompts` at once (chats with `params`) and runs `fault()` once all have
-    output: (the streams' results, seconds from the fault until the last stream ended)."""
+    """Streams `prompts` at once (chats with `params`) to the gateway at `url` and runs
+    `fault()` once all have output: (the streams' results, seconds from the fault until
+    the last stream ended)."""
     started = [threading.Event() for _ in prompts]
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [
-            pool.submit(stream_until_done, d.url, p, e, params)
+            pool.submit(stream_until_done, url, p, e, params)
             for p, e in zip(prompts, started, strict=True)
         ]
         for event in started:

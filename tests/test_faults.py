@@ -92,7 +92,7 @@ def deployment(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 def kill_mid_stream(
     d: Deployment, instance: str, prompts: list[str], sig: signal.Signals = signal.SIGKILL
 ) -> tuple[list[tuple[str, dict]], float]:
-    return fault_mid_stream(d, prompts, lambda: os.kill(d.pid(instance), sig), GREEDY)
+    return fault_mid_stream(d.url, prompts, lambda: os.kill(d.pid(instance), sig), GREEDY)
 
 
 def freeze(pid: int, seconds: float) -> None:
@@ -185,7 +185,7 @@ def test_requests_arriving_as_a_decode_worker_dies_are_admitted_elsewhere(
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             late.extend(pool.map(lambda p: chat(d.url, p, **GREEDY), PROMPTS))
 
-    results, _ = fault_mid_stream(d, PROMPTS, kill_then_send, GREEDY)
+    results, _ = fault_mid_stream(d.url, PROMPTS, kill_then_send, GREEDY)
     assert results == [(text, {}) for text in reference]
     assert [r.status_code for r in late] == [200] * len(PROMPTS), [r.text for r in late]
     assert [r.json()["choices"][0]["message"]["content"] for r in late] == reference
@@ -263,7 +263,7 @@ def test_a_decode_worker_that_only_seemed_lost_cannot_corrupt_moved_streams(
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         reference = list(pool.map(lambda p: chat_text(d.url, p, **GREEDY), PROMPTS))
     pid = d.pid("decode-0")
-    results, _ = fault_mid_stream(d, PROMPTS, lambda: freeze(pid, 5), GREEDY)
+    results, _ = fault_mid_stream(d.url, PROMPTS, lambda: freeze(pid, 5), GREEDY)
     assert results == [(text, {}) for text in reference]
     assert d.pid("decode-0") == pid  # the same process, back in service
     assert chat_text(d.url, PROMPTS[2], **GREEDY) == reference[2]
@@ -358,7 +358,7 @@ def test_a_nats_outage_under_load_stops_no_service(deployment: Deployment, secon
     d = deployment
     reference = chat_text(d.url, PROMPTS[0], **GREEDY)
     pids = {instance: d.pid(instance) for instance in heartbeats(d.nats_url)}
-    results, _ = fault_mid_stream(d, PROMPTS, lambda: freeze(d.nats.proc.pid, seconds), GREEDY)
+    results, _ = fault_mid_stream(d.url, PROMPTS, lambda: freeze(d.nats.proc.pid, seconds), GREEDY)
     for text, error in results:  # an error ("... went away") or the whole text, in time
         assert error or text, (text, error)
     deadline = time.monotonic() + 60

@@ -67,7 +67,7 @@ def test_a_killed_nats_node_costs_no_request_anything(
     with specmesh_up(smollm_dir, *up, log=log) as url:
         reference = [chat_text(url, p, **GREEDY) for p in PROMPTS]
         d = Deployment(url, log, cluster[0])
-        results, seconds = fault_mid_stream(d, PROMPTS * 2, cluster[0].proc.kill, GREEDY)
+        results, seconds = fault_mid_stream(d.url, PROMPTS * 2, cluster[0].proc.kill, GREEDY)
         assert results == [(text, {}) for text in reference * 2]
         assert seconds < 30
         assert [chat_text(url, p, **GREEDY) for p in PROMPTS] == reference
