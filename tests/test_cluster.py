@@ -1,7 +1,9 @@
 """scripts/cluster (issue 34): the many-host topology (network namespaces on a bridge, a
 3-node NATS cluster, valkey, one host per service instance) comes up from the repo as from
-a fresh clone; greedy chats through it are transformers' own greedy output; `down` leaves
-no namespace, link or process behind."""
+a fresh clone; greedy chats through it are transformers' own greedy output; a decode host
+and a drafter host partitioned, a NATS node killed and valkey restarted, one at a time
+under 8 streams, fail or change none; `down` leaves no namespace, link or process
+behind."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from unittest.mock import ANY
 
 import pytest
 import torch
-from deployment import chat_text
+from cluster_faults import STREAMS, strike_each
+from deployment import GREEDY, chat_text
 
 from services.cluster_harness import netns
 from services.cluster_harness.errors import ClusterError
@@ -102,6 +105,10 @@ def test_the_cluster_serves_transformers_greedy_output_and_leaves_nothing_behind
 
         with ThreadPoolExecutor(4) as pool:
             assert list(pool.map(greedy, PROMPTS)) == reference
+        # Faults between hosts under 8 streams: none may fail or change a stream.
+        no_fault = [chat_text(url, p, **GREEDY) for p in STREAMS]
+        for name, failed, _ in strike_each(url, no_fault):
+            assert not failed, f"{name}: {failed}"
         listed = _run("hosts", output=tmp_path / "hosts.txt", timeout=60)
         # host, address, what runs, its state, the NATS node a service is connected to
         rows = {line.split()[0]: line.split() for line in listed.splitlines()[1:]}
