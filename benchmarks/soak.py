@@ -176,8 +176,8 @@ def main() -> None:
         up += ["--prefills", "2", "--decoders", "2", "--drafters", "2"]
         up += ["--speculative-algorithm", args.algorithm]
         url = stack.enter_context(specmesh_up(model, *up, log=log))
-        d = Deployment(url, log, nats.nodes[0])
-        d.nats_url = nats.url
+        d = Deployment(url, log, nats.nodes[0])  # heartbeats from node 0, which stays up
+        d.nats_url = nats.url  # what the services' --nats-url says: `pid` finds them by it
         with ThreadPoolExecutor(args.concurrency) as pool:
             answers = pool.map(
                 lambda p: httpx.post(
