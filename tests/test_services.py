@@ -103,12 +103,12 @@ def ngram(
 def standalone(
     smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, str, Path]]:
-    """STANDALONE (a random draft model), shm transport, overlap on, 2 decoders and
-    2 drafters: (HTTP url, NATS url, launcher output)."""
+    """STANDALONE (a random draft model), direct KV transport (decode pulls from prefill),
+    overlap on, 2 decoders and 2 drafters: (HTTP url, NATS url, launcher output)."""
     draft = tiny_llama(tmp_path_factory.mktemp("draft"), vocab=49152, seed=0)
     log = tmp_path_factory.mktemp("up") / "up.log"
     args = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", draft]
-    args += ["--decoders", "2", "--drafters", "2", "--kv-namespace", "standalone-test", "--overlap"]
+    args += ["--decoders", "2", "--drafters", "2", "--kv-transport", "direct", "--overlap"]
     with (
         start_nats() as bus,
         specmesh_up(smollm_dir, "--nats-url", bus.url, *args, log=log) as url,
@@ -304,7 +304,7 @@ def test_two_decoders_two_drafters_under_concurrency(
             )
             assert routed >= 2, f"{kind}-{i} got {routed} requests"
     for beat in heartbeats(nats_url).values():
-        if beat.kind == "decode":  # both workers verified drafts, both pulled KV blocks
+        if beat.kind == "decode":  # both verified drafts, both pulled KV blocks from prefill
             metrics = scrape(beat.metrics_url)
             assert sample(metrics, "specmesh_spec_verify_steps_total", algorithm="STANDALONE")
             assert sample(metrics, "specmesh_kv_transport_bytes_total", **_kv("decode", "read"))
@@ -389,7 +389,8 @@ def test_instances_join_and_leave_at_run_time(
     draft = ["--speculative-algorithm", "NGRAM"]
     joined = _start_instance("drafter", nats_url, "drafter-extra", *draft)
     decode_args = ["--model", str(smollm_dir), "--kv-cache-gb", "0.1"]
-    decode_args += ["--kv-namespace", "standalone-test", "--speculative-algorithm", "STANDALONE"]
+    # Without the deployment's secret: the prompts it gets are computed here, not pulled.
+    decode_args += ["--kv-transport", "direct", "--speculative-algorithm", "STANDALONE"]
     decode_args += ["--speculative-draft-model-path", str(smollm_dir)]
     extra_decode = _start_instance("decode", nats_url, "decode-extra", *decode_args)
     try:

@@ -26,8 +26,18 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--delay-ms", type=float, help="delay every packet a host sends (tc netem), in ms"
     )
+    up.add_argument(
+        "--rate-mbit", type=float, help="limit what every host sends (tc tbf), in megabits/s"
+    )
     up.add_argument("--model", help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
     up.add_argument("--speculative-algorithm", default="NGRAM", help="(default: NGRAM)")
+    up.add_argument(
+        "--kv-transport",
+        choices=("redis", "direct"),
+        default="direct",
+        help="K/V from prefill to decode through the valkey host, or pulled by decode from "
+        "the prefill host (default: direct)",
+    )
     sub.add_parser("hosts", help="the hosts, their addresses, what runs where")
     names = ", ".join(h.name for h in all_hosts())
     for name, help in (
@@ -49,9 +59,14 @@ def main() -> None:
         if args.command == "up":
             if args.port is not None and not 0 < args.port < 65536:
                 raise ClusterError(f"--port {args.port} is not a TCP port")
-            if args.delay_ms is not None and args.delay_ms < 0:
-                raise ClusterError("--delay-ms must be at least 0")
-            commands.up(args.port, args.delay_ms, args.model, args.speculative_algorithm)
+            for name in ("delay_ms", "rate_mbit"):
+                if (getattr(args, name) or 0) < 0:
+                    raise ClusterError(f"--{name.replace('_', '-')} must be at least 0")
+            if args.delay_ms and args.rate_mbit:  # each would be the link's one qdisc
+                raise ClusterError("--delay-ms and --rate-mbit cannot be combined")
+            shape = netns.LinkShape(args.delay_ms, args.rate_mbit)
+            settings = commands.settings(args.model, args.speculative_algorithm, args.kv_transport)
+            commands.up(args.port, shape, settings)
         elif args.command in ("hosts", "down"):
             getattr(commands, args.command)()
         else:

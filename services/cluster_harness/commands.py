@@ -33,7 +33,7 @@ SERVERS_TIMEOUT_S = 30
 STOP_GRACE_S = 10.0
 
 
-def up(port: int | None, delay_ms: float | None, model: str | None, algorithm: str) -> None:
+def up(port: int | None, shape: netns.LinkShape, settings: Settings) -> None:
     netns.check_namespaces()
     if state.is_up() or netns.bridge_exists() or netns.our_namespaces():
         raise ClusterError(
@@ -42,13 +42,14 @@ def up(port: int | None, delay_ms: float | None, model: str | None, algorithm: s
         )
     if port is not None:
         _check_free(port)
-    settings = _settings(model, algorithm)
     started = time.monotonic()
     hosts = [HostState(h.name, h.role, h.address) for h in all_hosts()]
-    cluster = ClusterState(hosts, redis_password=secrets.token_hex(24), local_port=port)
+    cluster = ClusterState(
+        hosts, secrets.token_hex(24), kv_secret=secrets.token_hex(24), local_port=port
+    )
     cluster.save()  # from here on, a failure takes everything down again
     try:
-        _build(cluster, settings, delay_ms)
+        _build(cluster, settings, shape)
     except BaseException:
         try:
             down(quiet=True)
@@ -61,7 +62,8 @@ def up(port: int | None, delay_ms: float | None, model: str | None, algorithm: s
         print(f"  and at http://127.0.0.1:{port}/v1")
 
 
-def _settings(model: str | None, algorithm: str) -> Settings:
+def settings(model: str | None, algorithm: str, kv_transport: str) -> Settings:
+    """What every service host is started with; a bad option fails here."""
     from shared.model.fetch import resolve_model
     from shared.speculative.config import SpeculativeConfig
     from shared.speculative.factory import drafter_target_features
@@ -71,7 +73,7 @@ def _settings(model: str | None, algorithm: str) -> Settings:
     spec = SpeculativeConfig(speculative_algorithm=algorithm).resolved(path)
     drafter_target_features(spec, path)
     passwords = {user: secrets.token_hex(24) for user in SERVICE_USERS}
-    return Settings(path, algorithm, passwords)
+    return Settings(path, algorithm, kv_transport, passwords)
 
 
 def _check_free(port: int) -> None:
@@ -82,10 +84,10 @@ def _check_free(port: int) -> None:
             raise ClusterError(f"--port {port}: 127.0.0.1:{port} is taken ({exc})") from None
 
 
-def _build(cluster: ClusterState, settings: Settings, delay_ms: float | None) -> None:
+def _build(cluster: ClusterState, settings: Settings, shape: netns.LinkShape) -> None:
     netns.create_bridge()
     for host in cluster.hosts:
-        netns.add_host(host.host, delay_ms)
+        netns.add_host(host.host, shape)
     print(f"{len(cluster.hosts)} hosts on {BRIDGE}; starting NATS and valkey", flush=True)
     servers = [h for h in cluster.hosts if h.role in ("nats", "valkey")]
     for host in servers:

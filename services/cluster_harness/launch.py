@@ -34,6 +34,7 @@ _SPECULATING = ("prefill", "decode", "drafter")
 class Settings:
     model: str  # an HF directory every host reads (hosts share this machine's disk)
     speculative_algorithm: str
+    kv_transport: str  # redis (through the valkey host) or direct (decode pulls from prefill)
     nats_passwords: dict[str, str]  # one NATS user per kind of service
 
 
@@ -94,8 +95,12 @@ def service_processes(state: ClusterState, settings: Settings) -> dict[str, Proc
             argv += ["--metrics-host", host.address, "--metrics-port", str(METRICS_PORT)]
         if kind in _SPECULATING:
             argv += ["--speculative-algorithm", settings.speculative_algorithm]
-            argv += ["--kv-transport", "redis", "--redis-url", valkey_url(valkey)]
-            env["SPECMESH_REDIS_PASSWORD"] = state.redis_password
+            argv += ["--kv-transport", settings.kv_transport]
+            if settings.kv_transport == "redis":
+                argv += ["--redis-url", valkey_url(valkey)]
+                env["SPECMESH_REDIS_PASSWORD"] = state.redis_password
+            else:
+                env["SPECMESH_KV_DIRECT_SECRET"] = state.kv_secret
         argv += dataclass_argv(placements[f"{kind}-{seen[kind]}"])
         seen[kind] += 1
         processes[host.name] = _process(host, argv, env)

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 
 from services.cluster_harness.errors import ClusterError
 from services.cluster_harness.topology import BRIDGE, PREFIX, PREFIX_LEN, ROOT_ADDRESS, Host
@@ -54,9 +55,16 @@ def bridge_exists() -> bool:
     return subprocess.run(["ip", "link", "show", BRIDGE], capture_output=True).returncode == 0
 
 
-def add_host(host: Host, delay_ms: float | None) -> None:
-    """The host's namespace, its eth0 on the bridge at its address, and (delay_ms) a
-    link that delays each packet the host sends by that much."""
+@dataclass(frozen=True)
+class LinkShape:
+    """What each host's link does to the packets it sends (None: nothing)."""
+
+    delay_ms: float | None = None
+    rate_mbit: float | None = None  # megabits/s at most
+
+
+def add_host(host: Host, shape: LinkShape) -> None:
+    """The host's namespace, its eth0 on the bridge at its address, shaped as `shape`."""
     ns = host.namespace
     ip("netns", "add", ns)
     ip("link", "add", host.link, "type", "veth", "peer", "name", "eth0", "netns", ns)
@@ -64,14 +72,31 @@ def add_host(host: Host, delay_ms: float | None) -> None:
     ip("-n", ns, "addr", "add", f"{host.address}/{PREFIX_LEN}", "dev", "eth0")
     ip("-n", ns, "link", "set", "eth0", "up")
     ip("-n", ns, "link", "set", "lo", "up")
-    if delay_ms:
-        _delay(ns, delay_ms)
+    if shape.delay_ms:
+        _delay(ns, shape.delay_ms)
+    if shape.rate_mbit:
+        limit_rate(host, shape.rate_mbit)
+
+
+def _qdisc(namespace: str, option: str) -> list[str]:
+    if shutil.which("tc") is None:
+        raise ClusterError(f"{option} needs `tc`: apt-get install -y iproute2")
+    return ["ip", "netns", "exec", namespace, "tc", "qdisc", "replace", "dev", "eth0", "root"]
+
+
+def limit_rate(host: Host, rate_mbit: float | None) -> None:
+    """A token bucket on what the host sends (bursts of 1 ms at the rate, queued up to
+    50 ms), replacing any; None: none."""
+    if rate_mbit is None:
+        _run(["ip", "netns", "exec", host.namespace, "tc", "qdisc", "del", "dev", "eth0", "root"])
+        return
+    burst = max(16_000, round(rate_mbit * 1e6 / 8 / 1000))
+    argv = [*_qdisc(host.namespace, "--rate-mbit"), "tbf", "rate", f"{rate_mbit}mbit"]
+    _run([*argv, "burst", str(burst), "latency", "50ms"])
 
 
 def _delay(namespace: str, delay_ms: float) -> None:
-    if shutil.which("tc") is None:
-        raise ClusterError("--delay-ms needs `tc`: apt-get install -y iproute2")
-    argv = ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", "eth0", "root"]
+    argv = _qdisc(namespace, "--delay-ms")
     try:
         _run([*argv, "netem", "delay", f"{delay_ms}ms"])
     except ClusterError as exc:

@@ -30,6 +30,7 @@ class HostState(msgspec.Struct):
 class ClusterState(msgspec.Struct):
     hosts: list[HostState]
     redis_password: str
+    kv_secret: str  # what readers of a prefill's direct block server present
     local_port: int | None = None  # --port: the gateway at 127.0.0.1:<port> too
     forwarder: Process | None = None  # what serves local_port
 

@@ -87,7 +87,7 @@ class DecodeService(EngineService):
         super().__init__(cfg)
         ecfg.model = str(resolve_model(ecfg.model))
         self.spec = spec.resolved(ecfg.model) if spec.enabled else None
-        self.transport = tcfg.open()
+        self.transport = tcfg.open(cfg.nats_url)
         self.streams: dict[str, asyncio.Task[None]] = {}
         self.gateway_subject_of: dict[str, str] = {}  # request id -> where its text goes
         self.outbox: Outbox  # once the bus is connected
@@ -201,7 +201,7 @@ class DecodeService(EngineService):
         remote, first = None, None  # no prefill reply: the engine computes the prompt
         if pre is not None:
             self._check_kv_format(pre)
-            remote = RemotePrefix(pre.kv_keys, len(req.prompt_ids))
+            remote = RemotePrefix(pre.kv_keys, len(req.prompt_ids), pre.kv_source)
             first = FirstToken(pre.first_token, pre.logprob, pre.top_logprobs)
         ctx = otel_context.get_current()
         if self.client is not None:

@@ -111,7 +111,8 @@ class OnlineDrafting:
         ):
             return
         try:
-            [blob] = await asyncio.to_thread(self.transport.get_many, [head.key])
+            reader = self.transport.source(head.source)
+            [blob] = await asyncio.to_thread(reader.get_many, [head.key])
         except Exception as exc:  # the store is unreachable: the next announcement retries
             log.warning("cannot fetch head version %d: %s", head.version, exc)
             return

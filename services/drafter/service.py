@@ -78,7 +78,7 @@ class DrafterService(Service):
         self.online: OnlineDrafting | None = None
         if self.spec.speculative_online_learning:
             assert isinstance(self.drafter, EagleDrafter)  # as resolved() allows
-            self.online = OnlineDrafting(self.drafter, tcfg.open(), self.instance_id)
+            self.online = OnlineDrafting(self.drafter, tcfg.open(cfg.nats_url), self.instance_id)
 
     async def start(self) -> None:
         await self.bus.serve(drafter_subject(self.instance_id), self.handle)

@@ -93,10 +93,10 @@ class LearnerService(Service):
             heldout_share=online.speculative_online_heldout_share,
         )
         self.trainer = OnlineTrainer(self.target, copy.deepcopy(self.current_head), options)
-        self.transport = tcfg.open()
+        self.transport = tcfg.open(cfg.nats_url)
         self.live: dict[int, list[int]] = {}  # version -> [verification steps, tokens]
         self.round_left = 0  # optimizer steps left in the round
-        self.announcement = self.versions.announcement()
+        self.announcement = self.versions.announcement(self.transport.address)
         ONLINE_HEAD_VERSION.labels(self.kind).set(self.versions.current)
         log.info("learning %s online from version %d", self.algorithm, self.versions.current)
 
@@ -226,7 +226,7 @@ class LearnerService(Service):
         log.info("announcing head version %d (%s)", version, source)
 
     def _announce_current(self) -> None:
-        self.announcement = self.versions.announcement()
+        self.announcement = self.versions.announcement(self.transport.address)
         ONLINE_HEAD_VERSION.labels(self.kind).set(self.versions.current)
 
     def main_loop(self) -> None:

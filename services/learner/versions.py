@@ -83,7 +83,8 @@ class HeadVersions:
         """Checkpoint directories waiting in incoming/, oldest name first."""
         return sorted(p for p in (self.root / "incoming").iterdir() if p.is_dir())
 
-    def announcement(self) -> HeadVersion:
+    def announcement(self, source: str | None = None) -> HeadVersion:
+        """`source`: the learner's direct store (HeadVersion.source)."""
         record = self.records[self.current]
         return HeadVersion(
             algorithm=self.algorithm,
@@ -91,6 +92,7 @@ class HeadVersions:
             key=head_key(self.algorithm, record.sha256),
             sha256=record.sha256,
             config=(self.path(self.current) / CONFIG).read_text(),
+            source=source,
         )
 
     def keep_stored(self, head: HeadVersion, transport: KVTransport) -> None:

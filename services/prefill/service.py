@@ -121,7 +121,7 @@ class PrefillService(EngineService):
         features: tuple[tuple[int, ...], bool] = ((), False)
         if spec.enabled:
             features = drafter_target_features(spec.resolved(ecfg.model), ecfg.model)
-        self.transport = tcfg.open()
+        self.transport = tcfg.open(cfg.nats_url)
         self.engine = PrefillEngine(ecfg, self.transport, tcfg.kv_ttl, features)
         self.model_name = model_name_of(ecfg.model)
         self._prompt_tokens = (0, 0)  # (computed, cached) all time: the cache hit rate
@@ -207,6 +207,7 @@ class PrefillService(EngineService):
             num_computed_tokens=computed,
             kv_fingerprint=exchange.fingerprint,
             kv_description=engine.kv_description,
+            kv_source=exchange.transport.address,
         )
 
     def heartbeat(self) -> Heartbeat:

@@ -16,10 +16,12 @@ if TYPE_CHECKING:  # the grammar module builds on core types
 @dataclass
 class RemotePrefix:
     """K/V of a sequence's first `num_tokens` tokens, in the KV transport under `keys`
-    (one per block, the last one possibly partial)."""
+    (one per block, the last one possibly partial); `source`: the direct store holding
+    them, None for the shared one."""
 
     keys: list[str]
     num_tokens: int
+    source: str | None = None
 
 
 class SequenceStatus(enum.Enum):

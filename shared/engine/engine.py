@@ -407,7 +407,8 @@ class LLMEngine:
                 continue
             bs, computed_before = self.block_manager.block_size, seq.num_computed_tokens
             try:
-                self.kv_exchange.load(seq.block_table, remote.keys, computed_before // bs)
+                first_block = computed_before // bs
+                self.kv_exchange.load(seq.block_table, remote.keys, first_block, remote.source)
             except (KeyError, ConnectionError) as exc:  # expired or unreachable: compute it
                 log.warning("request %s: computing its prompt here: %s", seq.request_id, exc)
                 continue
@@ -424,7 +425,7 @@ class LLMEngine:
         tag = feature_tag(self.runner.feature_layers, self.runner.feature_normed)
         try:
             dtype = self.model.embed_tokens.weight.dtype
-            loaded = self.kv_exchange.load_features(remote.keys, tag, dtype)
+            loaded = self.kv_exchange.load_features(remote.keys, tag, dtype, remote.source)
         except (ConnectionError, ValueError, RuntimeError) as exc:
             log.warning("request %s: prompt features not loaded: %s", seq.request_id, exc)
             return

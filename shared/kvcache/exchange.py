@@ -94,12 +94,18 @@ class KVExchange:
             self.transport.put_many(items, self.ttl_s)
             self.written.inc(sum(map(len, items.values())))
 
-    def load(self, block_table: list[int], keys: list[str], first_block: int) -> None:
-        """Fill blocks first_block.. of a sequence's table from the transport."""
+    def load(
+        self,
+        block_table: list[int],
+        keys: list[str],
+        first_block: int,
+        source: str | None = None,
+    ) -> None:
+        """Fill blocks first_block.. of a sequence's table from the transport (the direct
+        store at `source`, if any)."""
         wanted = keys[first_block:]
-        for i, (key, data) in enumerate(
-            zip(wanted, self.transport.get_many(wanted), strict=True), first_block
-        ):
+        blobs = self.transport.source(source).get_many(wanted)
+        for i, (key, data) in enumerate(zip(wanted, blobs, strict=True), first_block):
             if data is None:
                 raise KeyError(f"KV block {key} is no longer in the transport")
             self._write(block_table[i], key, data)
@@ -117,12 +123,13 @@ class KVExchange:
         self.written.inc(sum(v.nbytes for v in items.values()))
 
     def load_features(
-        self, keys: list[str], tag: str, dtype: torch.dtype
+        self, keys: list[str], tag: str, dtype: torch.dtype, source: str | None = None
     ) -> tuple[int, torch.Tensor] | None:
         """The stored feature rows (hidden states, in the model's `dtype`, which the KV dtype
         need not be) of the longest run of blocks ending at the last one: (its first
         position, rows), or None if the last block has none."""
-        blobs = self.transport.get_many([f"{key}-features-{tag}" for key in keys])
+        reader = self.transport.source(source)
+        blobs = reader.get_many([f"{key}-features-{tag}" for key in keys])
         first = len(blobs)
         while first > 0 and blobs[first - 1] is not None:
             first -= 1

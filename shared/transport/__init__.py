@@ -6,7 +6,9 @@ addresses chosen by the caller, so a key always names the same value and the sto
 invalidation, only expiry. Two backends, picked by config through `make_transport`:
 
 - "shm": files in /dev/shm, for services on one host (no copy through a server process);
-- "redis": a valkey/redis server, for services on different hosts.
+- "redis": a valkey/redis server, for services on different hosts;
+- "direct": each writer keeps its blocks and serves them over TCP; readers pull them from
+  the writer named in the hand-off (services on different hosts, no store in between).
 
 The calls block; an asyncio caller runs them in a worker thread (`asyncio.to_thread`). One
 instance may be shared by an engine thread and an asyncio thread: the backends hold no state
@@ -15,6 +17,7 @@ between calls except the byte counters, which are guarded by a lock.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,15 +25,27 @@ from urllib.parse import urlsplit
 from shared.config import option, secret_option
 from shared.transport.base import KVTransport
 
+KINDS = ("shm", "redis", "direct")
+
+
+@dataclass(frozen=True)
+class DirectOptions:
+    host: str = "127.0.0.1"  # the address readers reach this process by
+    port: int = 0  # 0: any free port
+    capacity: int = 2 << 30  # bytes of blocks kept
+    secret: str = ""
+
 
 def make_transport(
     kind: str,
     namespace: str,
     redis_url: str | None = None,
     redis_options: dict[str, Any] | None = None,
+    direct: DirectOptions | None = None,
 ) -> KVTransport:
     """The backend named by config. `namespace` keeps deployments sharing a store apart;
-    `redis_options` (credentials, TLS files) go to the redis client."""
+    `redis_options` (credentials, TLS files) go to the redis client; `direct`: where a
+    direct store serves its blocks and how many bytes it keeps."""
     # Imported here so that a shm deployment never loads the redis client.
     if kind == "shm":
         from shared.transport.shm import ShmTransport
@@ -42,7 +57,12 @@ def make_transport(
         from shared.transport.redis import RedisTransport
 
         return RedisTransport(redis_url, namespace, **(redis_options or {}))
-    raise ValueError(f"kv transport must be 'shm' or 'redis', got {kind!r}")
+    if kind == "direct":
+        from shared.transport.direct import DirectTransport
+
+        d = direct or DirectOptions()
+        return DirectTransport(d.host, d.port, d.capacity, d.secret)
+    raise ValueError(f"kv transport must be one of {', '.join(KINDS)}, got {kind!r}")
 
 
 DEFAULT_KV_NAMESPACE = "specmesh"
@@ -51,7 +71,10 @@ DEFAULT_KV_NAMESPACE = "specmesh"
 @dataclass
 class TransportConfig:
     kv_transport: str = option(
-        "shm", "KV transport: shm (one host) or redis (across hosts)", choices=("shm", "redis")
+        "shm",
+        "KV transport: shm (one host), redis (a store across hosts) or direct (decode pulls "
+        "a prompt's blocks over TCP from the prefill that computed them)",
+        choices=KINDS,
     )
     redis_url: str | None = option(
         None, "redis://host:port of the KV store (--kv-transport redis; rediss:// for TLS)"
@@ -65,6 +88,16 @@ class TransportConfig:
         DEFAULT_KV_NAMESPACE, "namespace of this deployment's blocks in the store"
     )
     kv_ttl: float = option(60.0, "seconds a stored KV block lives after its last use")
+    kv_direct_host: str | None = option(
+        None,
+        "address a prefill serves its blocks on, as other hosts reach it (--kv-transport "
+        "direct; default: the local address its connection to NATS comes from)",
+    )
+    kv_direct_port: int = option(0, "TCP port of a prefill's direct block server (0: any)")
+    kv_direct_capacity: int = option(
+        2048, "MiB of blocks a prefill keeps for decode to pull (the least recently used go)"
+    )
+    kv_direct_secret: str | None = secret_option("what readers of direct KV blocks present")
 
     def redis_options(self) -> dict[str, Any]:
         """Credentials and TLS files as redis client arguments (only those that are set)."""
@@ -79,6 +112,27 @@ class TransportConfig:
         auth = {"username": self.redis_username, "password": self.redis_password}
         return {**{k: v for k, v in auth.items() if v}, **tls}
 
-    def open(self) -> KVTransport:
+    def open(self, nats_url: str = "nats://127.0.0.1:4222") -> KVTransport:
+        """`nats_url`: the route towards its first server gives a direct store's default
+        address, the one other hosts reach this one by."""
         redis_options = self.redis_options() if self.kv_transport == "redis" else None
-        return make_transport(self.kv_transport, self.kv_namespace, self.redis_url, redis_options)
+        direct = None
+        if self.kv_transport == "direct":
+            direct = DirectOptions(
+                host=self.kv_direct_host or local_address_towards(nats_url),
+                port=self.kv_direct_port,
+                capacity=self.kv_direct_capacity << 20,
+                secret=self.kv_direct_secret or "",
+            )
+        return make_transport(
+            self.kv_transport, self.kv_namespace, self.redis_url, redis_options, direct
+        )
+
+
+def local_address_towards(url: str) -> str:
+    """This host's address on the route to the first server of `url` (no packet is sent: a
+    UDP socket's connect only picks the route)."""
+    first = urlsplit(url.split(",")[0].strip())
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((first.hostname or "127.0.0.1", first.port or 4222))
+        return s.getsockname()[0]

@@ -4,17 +4,41 @@ from __future__ import annotations
 
 import abc
 import threading
+from typing import Protocol
+
+
+class BlockReader(Protocol):
+    def get_many(self, keys: list[str]) -> list[bytes | None]: ...
 
 
 class KVTransport(abc.ABC):
     """Store of immutable blobs by key. Values for one key are always identical
     (content-addressed), so concurrent writers of the same key are harmless."""
 
-    def __init__(self) -> None:
+    # Where other processes read this store's blocks directly ("host:port"); None when they
+    # share the store itself (a store server, or this host's /dev/shm).
+    address: str | None = None
+
+    def __init__(self, peer_secret: str = "") -> None:
+        """`peer_secret`: what direct stores (this one and its peers) require of readers."""
         # Bytes actually moved by put_many / get_many, for metrics.
         self.bytes_written = 0
         self.bytes_read = 0
         self._counter_lock = threading.Lock()
+        self.peer_secret = peer_secret
+        self._peers: dict[str, BlockReader] = {}
+
+    def source(self, address: str | None) -> BlockReader:
+        """What reads the blocks a writer at `address` handed over: this store itself when
+        the writer shares it, else a connection to the writer's direct store."""
+        if address is None or address == self.address:
+            return self
+        from shared.transport.direct import PeerReader  # only deployments that use it
+
+        with self._counter_lock:
+            if address not in self._peers:
+                self._peers[address] = PeerReader(address, self.peer_secret)
+            return self._peers[address]
 
     def _count(self, written: int = 0, read: int = 0) -> None:
         with self._counter_lock:
