@@ -73,7 +73,8 @@ TOPOLOGIES = {  # compose files on top of docker-compose.yml
     "gpu": (COMPOSE_GPU,),
     "gpu-model-drafter": (COMPOSE_GPU, COMPOSE_GPU_DRAFTER),
 }
-INFRA = ("nats", "valkey", "otel-collector", "jaeger", "prometheus", "grafana")
+NATS_NODES = ("nats-0", "nats-1", "nats-2")  # one NATS cluster
+INFRA = (*NATS_NODES, "valkey", "otel-collector", "jaeger", "prometheus", "grafana")
 CONFIGS = [
     ServiceConfig,
     LogConfig,
@@ -231,7 +232,7 @@ def test_compose_services_have_health_restart_scaling_and_limits() -> None:
         # The health check asks /health where the service serves it.
         port = env["SPECMESH_PORT"] if name == "gateway" else env["SPECMESH_METRICS_PORT"]
         assert f"127.0.0.1:{port}/health" in " ".join(service["healthcheck"]["test"])
-        for dependency in ("nats", "valkey"):
+        for dependency in (*NATS_NODES, "valkey"):
             assert service["depends_on"][dependency]["condition"] == "service_healthy"
     gateway_ports = services["gateway"]["ports"][0]
     assert re.search(r"\d+-\d+}?:8000$", gateway_ports), "a port range, so gateways scale"
@@ -244,7 +245,7 @@ def test_compose_environment_is_wired() -> None:
         env = services[name]["environment"]
         unknown = {k for k in env if k.startswith("SPECMESH_")} - known
         assert not unknown, f"{name} sets variables no service reads: {unknown}"
-        assert env["SPECMESH_NATS_URL"] == "nats://nats:4222"
+        assert env["SPECMESH_NATS_URL"] == ",".join(f"nats://{n}:4222" for n in NATS_NODES)
         assert env["SPECMESH_KV_TRANSPORT"] == "redis"
         assert env["SPECMESH_REDIS_URL"].startswith("redis://valkey:6379")
         assert env["SPECMESH_METRICS_HOST"] == "0.0.0.0"  # reachable by Prometheus
@@ -252,16 +253,56 @@ def test_compose_environment_is_wired() -> None:
         # The servers' passwords and the clients' come from the same variables; each kind
         # of service is its own NATS user.
         assert env["SPECMESH_NATS_USER"] == name
-        nats_password = services["nats"]["environment"][f"NATS_{name.upper()}_PASSWORD"]
-        assert env["SPECMESH_NATS_PASSWORD"] == nats_password
+        for node in NATS_NODES:
+            nats_password = services[node]["environment"][f"NATS_{name.upper()}_PASSWORD"]
+            assert env["SPECMESH_NATS_PASSWORD"] == nats_password
         redis_password = services["valkey"]["environment"]["VALKEY_PASSWORD"]
         assert env["SPECMESH_REDIS_PASSWORD"] == redis_password
     assert "4318:4318" in services["otel-collector"]["ports"]
-    for server in ("nats", "valkey"):  # only the services reach them, on compose's network
+    for server in (*NATS_NODES, "valkey"):  # only the services reach them, on compose's network
         assert "ports" not in services[server], server
-    nats = services["nats"]
-    assert "./deploy/nats.conf:/etc/nats/nats.conf:ro" in nats["volumes"]
-    assert nats["command"][-1] == "/etc/nats/nats.conf"
+
+
+def test_compose_runs_nats_as_a_cluster_of_three() -> None:
+    """Each node: deploy/nats.conf, its own name and JetStream volume, routes to every node
+    (nats-server drops the one back to itself) on the cluster port it listens on."""
+    compose = _compose()
+    routes = ",".join(f"nats-route://{node}:6222" for node in NATS_NODES)
+    for node in NATS_NODES:
+        service = compose["services"][node]
+        argv = service["command"]
+        assert argv[0] == "nats-server" and "--config=/etc/nats/nats.conf" in argv
+        assert f"--name={node}" in argv and "--cluster_name=specmesh" in argv
+        assert "--cluster=nats://0.0.0.0:6222" in argv and f"--routes={routes}" in argv
+        assert "./deploy/nats.conf:/etc/nats/nats.conf:ro" in service["volumes"]
+        assert f"{node}-data:/data" in service["volumes"] and f"{node}-data" in compose["volumes"]
+        assert "8222/healthz" in " ".join(service["healthcheck"]["test"])
+
+
+def test_compose_local_overlay_only_swaps_images() -> None:
+    """deploy/compose.local.yml (scripts/compose-local): the images built here for the
+    services docker-compose.yml has, an OTLP endpoint of ours as otel-collector, and only
+    the services no package provides (Jaeger, Grafana) left out by a profile."""
+    from services.compose_local.images import INFRA_IMAGES, PROJECT_IMAGE
+    from services.compose_local.stack import COMPOSE_FILES, ONE_SHOT
+
+    assert COMPOSE_FILES == (ROOT / "docker-compose.yml", DEPLOY / "compose.local.yml")
+    services = _compose()["services"]
+    overlay = _compose(DEPLOY / "compose.local.yml")["services"]
+    assert set(overlay) <= set(services) and set(ONE_SHOT) <= set(services)
+    left_out = {name for name, s in overlay.items() if s.get("profiles")}
+    assert left_out == {"jaeger", "grafana"}
+    assert all(overlay[name] == {"profiles": ["registry-images"]} for name in left_out)
+    built = {image.tag for image in INFRA_IMAGES}
+    for name in set(overlay) - left_out - {"otel-collector"}:
+        assert set(overlay[name]) == {"image"} and overlay[name]["image"] in built, name
+    assert built == {overlay[name]["image"] for name in (*NATS_NODES, "valkey", "prometheus")}
+    sink = overlay["otel-collector"]
+    assert sink["command"][:3] == ["python", "-m", "services.compose_local.otlp_sink"]
+    assert importlib.util.find_spec(sink["command"][2]) is not None
+    assert "4318:4318" in services["otel-collector"]["ports"]
+    assert "4318/health" in " ".join(sink["healthcheck"]["test"])
+    assert PROJECT_IMAGE.startswith("specmesh-local/")
 
 
 def test_compose_and_nomad_size_threads_to_each_services_cpus() -> None:
@@ -495,7 +536,7 @@ def test_nomad_infrastructure_job() -> None:
     groups = _blocks(_blocks(spec["job"])["specmesh-infra"]["group"])
     assert {"nats", "valkey", "otel-collector"} <= set(groups)
     for name, group in groups.items():
-        assert group["count"] == 1 and group["restart"], name
+        assert group["count"] == (3 if name == "nats" else 1) and group["restart"], name
         checks = [c for s in group["service"] for c in s.get("check", [])]
         assert checks, f"{name} has no health check"
         ports = _blocks(group["network"][0]["port"])
@@ -508,6 +549,13 @@ def test_nomad_infrastructure_job() -> None:
     (nats,) = _blocks(groups["nats"]["task"]).values()
     config = nats["template"][0]["data"]
     assert "max_payload: 8MB" in config and "jetstream" in config and "password" in config
+    # A cluster of three on distinct clients, routed through the registry's cluster service.
+    assert ports["cluster"]["static"] == 6222 and "cluster" in nats["config"][0]["ports"]
+    assert groups["nats"]["constraint"][0]["operator"] == "distinct_hosts"
+    (cluster,) = [s for s in groups["nats"]["service"] if s["port"] == "cluster"]
+    config = config.replace('\\"', '"')  # python-hcl2 escapes them
+    assert f'range nomadService "{cluster["name"]}"' in config and "listen: 0.0.0.0:6222" in config
+    assert 'server_name: nats-{{ env "NOMAD_ALLOC_INDEX" }}' in config  # JetStream needs names
     (valkey,) = _blocks(groups["valkey"]["task"]).values()
     assert "requirepass" in valkey["template"][0]["data"]
 

@@ -1,4 +1,5 @@
-# What specmesh runs on: NATS (JetStream and monitoring on), valkey for the KV transport,
+# What specmesh runs on: a 3-node NATS cluster (JetStream and monitoring on), valkey for the
+# KV transport,
 # an OpenTelemetry collector and Jaeger for traces. One job, separate from the services, so
 # either can be updated alone.
 #
@@ -7,7 +8,8 @@
 #     redis_password=...
 #   nomad job run deploy/nomad/specmesh-infra.nomad.hcl
 #
-# The services then get nats://<nats host>:4222, redis://<valkey host>:6379/0 and
+# The services then get every NATS node (nats://<node 1>:4222,nats://<node 2>:4222,...: a
+# service fails over to another node when its own goes), redis://<valkey host>:6379/0 and
 # http://<collector host>:4318 (see specmesh.nomad.hcl). Prometheus finds the services
 # through Nomad's service registry (nomad_sd_configs; every specmesh service is tagged
 # "metrics"), see README "Deploy with Nomad".
@@ -27,12 +29,23 @@ job "specmesh-infra" {
   datacenters = var.datacenters
   type        = "service"
 
+  # Three nodes on three clients, routed to each other as one cluster (the routes come from
+  # Nomad's registry of the "specmesh-nats-cluster" service); two keep serving, and keep
+  # JetStream's quorum, while one restarts.
   group "nats" {
-    count = 1
+    count = 3
+
+    constraint {
+      operator = "distinct_hosts"
+      value    = "true"
+    }
 
     network {
       port "client" {
         static = 4222
+      }
+      port "cluster" {
+        static = 6222
       }
       port "monitor" {
         static = 8222
@@ -51,6 +64,12 @@ job "specmesh-infra" {
         interval = "10s"
         timeout  = "3s"
       }
+    }
+
+    service {
+      name     = "specmesh-nats-cluster"
+      provider = "nomad"
+      port     = "cluster"
     }
 
     restart {
@@ -73,15 +92,24 @@ job "specmesh-infra" {
         image   = "nats:2.11-alpine"
         command = "nats-server"
         args    = ["--config", "/secrets/nats.conf"]
-        ports   = ["client", "monitor"]
+        ports   = ["client", "cluster", "monitor"]
       }
 
+      # A node joining or leaving changes the routes: SIGHUP reloads them without a restart.
       template {
-        destination = "secrets/nats.conf"
-        change_mode = "restart"
-        data        = <<-EOT
+        destination   = "secrets/nats.conf"
+        change_mode   = "signal"
+        change_signal = "SIGHUP"
+        data          = <<-EOT
+          server_name: nats-{{ env "NOMAD_ALLOC_INDEX" }}
           port: 4222
           http_port: 8222
+          cluster {
+            name: specmesh
+            listen: 0.0.0.0:6222
+            # every node's route (a node drops the one that leads back to itself)
+            routes: [{{ range nomadService "specmesh-nats-cluster" }}"nats-route://{{ .Address }}:{{ .Port }}",{{ end }}]
+          }
           # Prompts and draft-step features exceed NATS's 1 MiB default message size.
           max_payload: 8MB
           max_pending: 64MB

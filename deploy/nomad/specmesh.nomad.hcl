@@ -1,7 +1,8 @@
 # specmesh's five services on Nomad, one group each, each with its own count.
 # Start the infrastructure first (specmesh-infra.nomad.hcl), then pass its addresses in:
 #
-#   nomad job run -var nats_url=nats://10.0.0.10:4222 -var redis_url=redis://10.0.0.10:6379/0 \
+#   nomad job run -var nats_url=nats://10.0.0.10:4222,nats://10.0.0.11:4222,nats://10.0.0.12:4222 \
+#     -var redis_url=redis://10.0.0.10:6379/0 \
 #     -var otlp_endpoint=http://10.0.0.10:4318 deploy/nomad/specmesh.nomad.hcl
 #   nomad job scale specmesh drafter 4
 #
@@ -49,7 +50,7 @@ variable "dtype" {
 
 variable "nats_url" {
   type        = string
-  description = "NATS URL, e.g. nats://10.0.0.10:4222 (tls://... for TLS)"
+  description = "every node of specmesh-infra's NATS cluster, comma-separated (a service fails over to the next), e.g. nats://10.0.0.10:4222,nats://10.0.0.11:4222,nats://10.0.0.12:4222 (tls://... for TLS)"
 }
 
 variable "redis_url" {
