@@ -222,10 +222,14 @@ def test_compose_services_have_health_restart_scaling_and_limits() -> None:
             assert waits == "service_completed_successfully"
         else:
             assert check["test"][0] in ("CMD", "CMD-SHELL") and check["interval"], name
+    drain = dataclasses.fields(ServiceConfig)
+    (drain_timeout,) = [f.default for f in drain if f.name == "drain_timeout"]
     for name in SERVICES:
         service = services[name]
         env = service["environment"]
         assert "container_name" not in service  # it would make `--scale` impossible
+        # `docker stop` waits this long before SIGKILL: the drain after SIGTERM must fit
+        assert int(service["stop_grace_period"].removesuffix("s")) > drain_timeout, name
         assert service["deploy"]["replicas"], name
         assert "models:/models" in service["volumes"]
         assert "models" in compose["volumes"]
