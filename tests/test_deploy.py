@@ -790,3 +790,36 @@ def test_decode_refuses_kv_of_another_dtype(smollm_dir: Path, tmp_path: Path) ->
             error["message"],
         ), error["message"]
     assert log.read_text().count("refusing requests prefilled elsewhere") == 1
+
+
+def test_otlp_sink_keeps_spans_with_their_service_instance_and_request() -> None:
+    """compose.local.yml's otel-collector: what a service exports, decoded as it serves it."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+    from services.compose_local.otlp_sink import REQUEST_ID, decode_spans
+
+    def attribute(key: str, value: str) -> KeyValue:
+        return KeyValue(key=key, value=AnyValue(string_value=value))
+
+    request = ExportTraceServiceRequest()
+    exported = request.resource_spans.add()
+    exported.resource.attributes.extend(
+        [attribute("service.name", "specmesh-gateway"), attribute("service.instance.id", "g-1")]
+    )
+    span = exported.scope_spans.add().spans.add()
+    span.name, span.trace_id, span.span_id = "chat", bytes(range(16)), bytes(range(8))
+    span.attributes.append(attribute(REQUEST_ID, "chatcmpl-1"))
+    assert decode_spans(request.SerializeToString()) == [
+        {
+            "service": "specmesh-gateway",
+            "instance": "g-1",
+            "name": "chat",
+            "trace_id": bytes(range(16)).hex(),
+            "span_id": bytes(range(8)).hex(),
+            "parent_span_id": "",
+            "request_id": "chatcmpl-1",
+        }
+    ]
