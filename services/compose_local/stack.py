@@ -45,7 +45,9 @@ def write_env_file(port: int) -> None:
     image, the gateway's port; owner-only, outside the repository."""
     values = _read_env_file()
     for name in PASSWORDS:
-        values.setdefault(name, secrets.token_urlsafe(24))
+        # a letter first: nats-server parses a $VARIABLE's value, and one that starts with
+        # a digit as a number (the server then refuses deploy/nats.conf)
+        values.setdefault(name, "p" + secrets.token_hex(24))
     values |= {"SPECMESH_IMAGE": PROJECT_IMAGE, "SPECMESH_GATEWAY_PORTS": str(port)}
     for name, value in LOCAL_SETTINGS.items():
         values[name] = os.environ.get(name, value)
