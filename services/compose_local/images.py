@@ -31,6 +31,8 @@ HOST_EXTRA_CAS = Path("/usr/local/share/ca-certificates")
 # torch's other dependencies come from PyPI beside the wheel in the base image
 PYPI_INDEX = "https://pypi.org/simple"
 PIP_CONF = f"[global]\ncert = {HOST_CA_BUNDLE}\nfind-links = /opt/wheels\n"
+# one compiler job for kernels/cpu: this machine's memory is shared with other work
+KERNEL_JOBS = 1
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,7 @@ def build_project() -> None:
     docker("build", "-q", "-f", str(ROOT / "deploy" / "Dockerfile"), "-t", PROJECT_IMAGE,
            "--build-arg", f"BASE_IMAGE={BASE_IMAGE}",
            "--build-arg", f"TORCH_INDEX_URL={PYPI_INDEX}",
+           "--build-arg", f"KERNEL_JOBS={KERNEL_JOBS}",
            str(ROOT))  # fmt: skip
     if previous and previous != _image_id(PROJECT_IMAGE):
         # a container still on it keeps it (docker refuses): `down` then removes that
