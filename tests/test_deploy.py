@@ -238,6 +238,8 @@ def test_compose_services_have_health_restart_scaling_and_limits() -> None:
         assert f"127.0.0.1:{port}/health" in " ".join(service["healthcheck"]["test"])
         for dependency in (*NATS_NODES, "valkey"):
             assert service["depends_on"][dependency]["condition"] == "service_healthy"
+        # valkey only runs with the redis-kv profile: without it, nothing to wait for
+        assert service["depends_on"]["valkey"]["required"] is False
     gateway_ports = services["gateway"]["ports"][0]
     assert re.search(r"\d+-\d+}?:8000$", gateway_ports), "a port range, so gateways scale"
 
@@ -250,7 +252,10 @@ def test_compose_environment_is_wired() -> None:
         unknown = {k for k in env if k.startswith("SPECMESH_")} - known
         assert not unknown, f"{name} sets variables no service reads: {unknown}"
         assert env["SPECMESH_NATS_URL"] == ",".join(f"nats://{n}:4222" for n in NATS_NODES)
-        assert env["SPECMESH_KV_TRANSPORT"] == "redis"
+        # direct by default (decode pulls K/V from prefill's container); redis: valkey
+        assert _default(env["SPECMESH_KV_TRANSPORT"]) == "direct"
+        assert env["SPECMESH_KV_DIRECT_SECRET"].startswith("${SPECMESH_KV_DIRECT_SECRET:?")
+        assert "SPECMESH_KV_DIRECT_PORT" not in env  # 0: any port, all open between containers
         assert env["SPECMESH_REDIS_URL"].startswith("redis://valkey:6379")
         assert env["SPECMESH_METRICS_HOST"] == "0.0.0.0"  # reachable by Prometheus
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4318"
@@ -265,6 +270,7 @@ def test_compose_environment_is_wired() -> None:
     assert "4318:4318" in services["otel-collector"]["ports"]
     for server in (*NATS_NODES, "valkey"):  # only the services reach them, on compose's network
         assert "ports" not in services[server], server
+    assert services["valkey"]["profiles"] == ["redis-kv"]
 
 
 def test_compose_runs_nats_as_a_cluster_of_three() -> None:
@@ -331,14 +337,21 @@ def test_compose_and_nomad_size_threads_to_each_services_cpus() -> None:
 
 def test_compose_has_no_default_passwords() -> None:
     text = (ROOT / "docker-compose.yml").read_text()
-    passwords = re.findall(r"\$\{(\w*PASSWORD\w*)([^}]*)\}", text)
-    assert {name for name, _ in passwords} == {
+    secrets = re.findall(r"\$\{(\w*(?:PASSWORD|SECRET)\w*)([^}]*)\}", text)
+    assert {name for name, _ in secrets} == {
         *(f"SPECMESH_NATS_{name.upper()}_PASSWORD" for name in ALL_SERVICES),
+        "SPECMESH_KV_DIRECT_SECRET",
         "SPECMESH_REDIS_PASSWORD",
         "GRAFANA_ADMIN_PASSWORD",
     }
-    for name, rest in passwords:  # ${NAME:?message}: compose refuses to start without it
-        assert rest.startswith(":?") and name in rest, (name, rest)
+    for name, rest in secrets:  # ${NAME:?message}: compose refuses to start without it
+        if name == "SPECMESH_REDIS_PASSWORD":  # valkey's (profile redis-kv) refuses instead
+            assert rest == ":-", rest
+        else:
+            assert rest.startswith(":?") and name in rest, (name, rest)
+    valkey = _compose()["services"]["valkey"]
+    assert valkey["environment"]["VALKEY_PASSWORD"] == "${SPECMESH_REDIS_PASSWORD:-}"
+    assert '[ -n "$$VALKEY_PASSWORD" ] || {' in valkey["command"][2]
 
 
 @pytest.mark.parametrize("overlays", TOPOLOGIES.values(), ids=TOPOLOGIES)

@@ -23,7 +23,8 @@ ENV_FILE = STATE_DIR / "specmesh" / "compose-local.env"
 PASSWORDS = (
     *(f"SPECMESH_NATS_{kind}_PASSWORD" for kind in
       ("GATEWAY", "TOKENIZER", "PREFILL", "DECODE", "DRAFTER", "LEARNER")),
-    "SPECMESH_REDIS_PASSWORD",
+    "SPECMESH_KV_DIRECT_SECRET",
+    "SPECMESH_REDIS_PASSWORD",  # valkey's, for the redis-kv profile
     "GRAFANA_ADMIN_PASSWORD",
 )  # fmt: skip
 # This machine is shared with other work: engines' KV caches sized for a small model.
