@@ -78,6 +78,8 @@ def settings(model: str | None, algorithm: str, kv_transport: str) -> Settings:
 
 def _check_free(port: int) -> None:
     with socket.socket() as probe:
+        # as the forwarder binds: a connection of the last run in TIME_WAIT is no owner
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port))
         except OSError as exc:

@@ -49,6 +49,26 @@ def create_bridge() -> None:
     ip("link", "add", BRIDGE, "type", "bridge")
     ip("addr", "add", f"{ROOT_ADDRESS}/{PREFIX_LEN}", "dev", BRIDGE)
     ip("link", "set", BRIDGE, "up")
+    if _bridges_are_filtered():
+        _run(["iptables", "-I", *_FORWARD_OUR_BRIDGE])
+
+
+# With br_netfilter loaded (Docker loads it), frames between two ports of a bridge pass
+# iptables' FORWARD chain, whose policy Docker sets to DROP: the hosts could not talk.
+_FORWARD_OUR_BRIDGE = ["FORWARD", "-i", BRIDGE, "-o", BRIDGE, "-j", "ACCEPT"]
+
+
+def _bridges_are_filtered() -> bool:
+    nf = "/proc/sys/net/bridge/bridge-nf-call-iptables"
+    return os.path.exists(nf) and shutil.which("iptables") is not None
+
+
+def _remove_forward_rules() -> None:
+    if not _bridges_are_filtered():
+        return
+    check = ["iptables", "-C", *_FORWARD_OUR_BRIDGE]
+    while subprocess.run(check, capture_output=True).returncode == 0:
+        _run(["iptables", "-D", *_FORWARD_OUR_BRIDGE])
 
 
 def bridge_exists() -> bool:
@@ -87,8 +107,9 @@ def _qdisc(namespace: str, option: str) -> list[str]:
 def limit_rate(host: Host, rate_mbit: float | None) -> None:
     """A token bucket on what the host sends (bursts of 1 ms at the rate, queued up to
     50 ms), replacing any; None: none."""
-    if rate_mbit is None:
-        _run(["ip", "netns", "exec", host.namespace, "tc", "qdisc", "del", "dev", "eth0", "root"])
+    if rate_mbit is None:  # deleting the default qdisc fails: nothing to remove then
+        argv = ["ip", "netns", "exec", host.namespace, "tc", "qdisc", "del", "dev", "eth0", "root"]
+        subprocess.run(argv, capture_output=True, check=False)
         return
     burst = max(16_000, round(rate_mbit * 1e6 / 8 / 1000))
     argv = [*_qdisc(host.namespace, "--rate-mbit"), "tbf", "rate", f"{rate_mbit}mbit"]
@@ -138,4 +159,5 @@ def remove_network() -> int:
         ip("netns", "delete", ns)
     if bridge_exists():
         ip("link", "delete", BRIDGE)
+    _remove_forward_rules()
     return len(namespaces)
