@@ -450,8 +450,8 @@ def test_collector_sends_traces_to_jaeger() -> None:
 def test_nomad_job_has_a_group_per_service() -> None:
     spec = _hcl("specmesh.nomad.hcl")
     variables = _blocks(spec["variable"])
-    for address in ("nats_url", "redis_url"):  # passed in, no default
-        assert "default" not in variables[address]
+    assert "default" not in variables["nats_url"]  # passed in
+    assert variables["kv_transport"]["default"] == "direct"  # redis: redis_url passed in too
     known = _option_variables()
     groups = _blocks(_blocks(spec["job"])["specmesh"]["group"])
     assert set(groups) == set(ALL_SERVICES)
@@ -473,14 +473,19 @@ def test_nomad_job_has_a_group_per_service() -> None:
         assert not unknown, f"{name} sets variables no service reads: {unknown}"
         assert env["SPECMESH_NATS_URL"] == "${var.nats_url}"
         served_on = env["SPECMESH_PORT"] if name == "gateway" else env["SPECMESH_METRICS_PORT"]
-        assert port["to"] == int(served_on)
+        if config.get("network_mode") == "host":  # no mapping: it serves on the port given
+            assert served_on == f"${{NOMAD_PORT_{service['port']}}}" and "to" not in port
+        else:
+            assert port["to"] == int(served_on)
         # Secrets are files rendered from Nomad Variables into the task's secrets/ directory.
         rendered = {t["destination"] for t in task["template"]}
         for key, value in env.items():
-            if key.endswith("_PASSWORD_FILE"):
+            if key.endswith(("_PASSWORD_FILE", "_SECRET_FILE")):
                 assert value.replace("${NOMAD_SECRETS_DIR}", "secrets") in rendered, key
         assert "SPECMESH_NATS_PASSWORD_FILE" in env
         if name in ("prefill", "decode"):  # the two ends of the KV transport
+            assert env["SPECMESH_KV_TRANSPORT"] == "${var.kv_transport}"
+            assert "SPECMESH_KV_DIRECT_SECRET_FILE" in env
             assert env["SPECMESH_REDIS_URL"] == "${var.redis_url}"
             assert "SPECMESH_REDIS_PASSWORD_FILE" in env
         resources = task["resources"][0]
@@ -491,6 +496,19 @@ def test_nomad_job_has_a_group_per_service() -> None:
             assert env["SPECMESH_DEVICE"] == "cuda"
         else:
             assert not devices
+
+
+def test_nomad_prefill_serves_direct_kv_where_other_hosts_reach_it() -> None:
+    """--kv-transport direct: prefill binds the address it names to decode, so it runs on
+    the host's network, at the host's address, on a port Nomad declares for it."""
+    groups = _blocks(_blocks(_hcl("specmesh.nomad.hcl")["job"])["specmesh"]["group"])
+    prefill = groups["prefill"]
+    (task,) = _blocks(prefill["task"]).values()
+    assert task["config"][0]["network_mode"] == "host"
+    assert "kv" in _blocks(prefill["network"][0]["port"]) and "kv" in task["config"][0]["ports"]
+    env = task["env"][0]
+    assert env["SPECMESH_KV_DIRECT_HOST"] == "${NOMAD_IP_kv}"
+    assert env["SPECMESH_KV_DIRECT_PORT"] == "${NOMAD_PORT_kv}"
 
 
 def _if(value: str, condition: str, holds: bool) -> str:

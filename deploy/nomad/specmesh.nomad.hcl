@@ -2,7 +2,6 @@
 # Start the infrastructure first (specmesh-infra.nomad.hcl), then pass its addresses in:
 #
 #   nomad job run -var nats_url=nats://10.0.0.10:4222,nats://10.0.0.11:4222,nats://10.0.0.12:4222 \
-#     -var redis_url=redis://10.0.0.10:6379/0 \
 #     -var otlp_endpoint=http://10.0.0.10:4318 deploy/nomad/specmesh.nomad.hcl
 #   nomad job scale specmesh drafter 4
 #
@@ -10,7 +9,12 @@
 # through SPECMESH_*_PASSWORD_FILE (so they never appear in the job or the environment):
 #   nomad var put nomad/jobs nats_gateway_password=... nats_tokenizer_password=... \
 #     nats_prefill_password=... nats_decode_password=... nats_drafter_password=... \
-#     nats_learner_password=... redis_password=...
+#     nats_learner_password=... kv_direct_secret=...
+# K/V goes from prefill to decode directly (kv_transport "direct": decode pulls a prompt's
+# blocks over TCP from the prefill that computed them, on the port Nomad gave that prefill;
+# prefill runs on the host's network so the address it serves on is one other hosts reach).
+# Through specmesh-infra's valkey instead: -var kv_transport=redis
+# -var redis_url=redis://10.0.0.10:6379/0, and redis_password=... in the variables.
 # (one NATS user per kind of service, allowed only its own subjects: specmesh-infra's nats.conf)
 # Clients need the Docker driver, a host volume "specmesh-models" for the model cache, and
 # for the GPU pools the NVIDIA device plugin (device "nvidia/gpu").
@@ -53,9 +57,16 @@ variable "nats_url" {
   description = "every node of specmesh-infra's NATS cluster, comma-separated (a service fails over to the next), e.g. nats://10.0.0.10:4222,nats://10.0.0.11:4222,nats://10.0.0.12:4222 (tls://... for TLS)"
 }
 
+variable "kv_transport" {
+  type        = string
+  default     = "direct"
+  description = "how K/V goes from prefill to decode: direct (over TCP, prefill to decode) or redis (through redis_url)"
+}
+
 variable "redis_url" {
   type        = string
-  description = "valkey/redis URL of the KV transport, e.g. redis://10.0.0.10:6379/0"
+  default     = ""
+  description = "valkey/redis URL of the KV store (kv_transport redis), e.g. redis://10.0.0.10:6379/0"
 }
 
 variable "otlp_endpoint" {
@@ -272,10 +283,11 @@ job "specmesh" {
   group "prefill" {
     count = var.prefill_count
 
+    # The host's network (network_mode below): prefill serves its K/V blocks at the host's
+    # own address, on a port Nomad gives it, where decode on other hosts connects.
     network {
-      port "metrics" {
-        to = 9100
-      }
+      port "metrics" {}
+      port "kv" {}
     }
 
     service {
@@ -313,7 +325,9 @@ job "specmesh" {
         image   = var.gpu_image
         command = "python"
         args    = ["-m", "services.prefill"]
-        ports   = ["metrics"]
+        ports   = ["metrics", "kv"]
+
+        network_mode = "host"
       }
 
       volume_mount {
@@ -327,7 +341,10 @@ job "specmesh" {
         SPECMESH_NATS_USER           = "prefill"
         SPECMESH_THREADS             = "4" # as many as its reserved cpu (MHz / 1000)
         SPECMESH_NATS_PASSWORD_FILE  = "${NOMAD_SECRETS_DIR}/nats_password"
-        SPECMESH_KV_TRANSPORT        = "redis"
+        SPECMESH_KV_TRANSPORT        = var.kv_transport
+        SPECMESH_KV_DIRECT_HOST      = "${NOMAD_IP_kv}"
+        SPECMESH_KV_DIRECT_PORT      = "${NOMAD_PORT_kv}"
+        SPECMESH_KV_DIRECT_SECRET_FILE = "${NOMAD_SECRETS_DIR}/kv_direct_secret"
         SPECMESH_REDIS_URL           = var.redis_url
         SPECMESH_REDIS_PASSWORD_FILE = "${NOMAD_SECRETS_DIR}/redis_password"
         SPECMESH_SPECULATIVE_ALGORITHM        = var.speculative_algorithm
@@ -336,7 +353,7 @@ job "specmesh" {
         SPECMESH_DEVICE              = "cuda"
         SPECMESH_DTYPE               = var.dtype
         SPECMESH_METRICS_HOST        = "0.0.0.0"
-        SPECMESH_METRICS_PORT        = "9100"
+        SPECMESH_METRICS_PORT        = "${NOMAD_PORT_metrics}" # the host network: the port Nomad gave
         OTEL_EXPORTER_OTLP_ENDPOINT  = var.otlp_endpoint
       }
 
@@ -350,6 +367,12 @@ job "specmesh" {
         destination = "secrets/redis_password"
         change_mode = "restart"
         data        = "{{ with nomadVar \"nomad/jobs\" }}{{ .redis_password }}{{ end }}"
+      }
+
+      template {
+        destination = "secrets/kv_direct_secret"
+        change_mode = "restart"
+        data        = "{{ with nomadVar \"nomad/jobs\" }}{{ .kv_direct_secret }}{{ end }}"
       }
 
       resources {
@@ -421,7 +444,8 @@ job "specmesh" {
         SPECMESH_NATS_USER             = "decode"
         SPECMESH_THREADS               = "4" # as many as its reserved cpu (MHz / 1000)
         SPECMESH_NATS_PASSWORD_FILE    = "${NOMAD_SECRETS_DIR}/nats_password"
-        SPECMESH_KV_TRANSPORT          = "redis"
+        SPECMESH_KV_TRANSPORT          = var.kv_transport
+        SPECMESH_KV_DIRECT_SECRET_FILE = "${NOMAD_SECRETS_DIR}/kv_direct_secret"
         SPECMESH_REDIS_URL             = var.redis_url
         SPECMESH_REDIS_PASSWORD_FILE   = "${NOMAD_SECRETS_DIR}/redis_password"
         SPECMESH_SPECULATIVE_ALGORITHM = var.speculative_algorithm
@@ -444,6 +468,12 @@ job "specmesh" {
         destination = "secrets/redis_password"
         change_mode = "restart"
         data        = "{{ with nomadVar \"nomad/jobs\" }}{{ .redis_password }}{{ end }}"
+      }
+
+      template {
+        destination = "secrets/kv_direct_secret"
+        change_mode = "restart"
+        data        = "{{ with nomadVar \"nomad/jobs\" }}{{ .kv_direct_secret }}{{ end }}"
       }
 
       resources {
