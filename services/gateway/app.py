@@ -1,7 +1,7 @@
 """The gateway's FastAPI app: the OpenAI API over the services (see cluster.py).
 
 Here: the middleware (API key, body limit), OpenAI error JSON for every error (see
-errors.py), and the small routes (health, metrics, models, server and model info). The
+errors.py), and the small routes (probes, metrics, version, models, server and model info). The
 generation routes live beside their request logic, in chat.py and completions.py; what
 they share (starting a request, collected and SSE responses) in respond.py. A request
 becomes one sequence per choice and prompt; a client that goes away, streaming or not,
@@ -11,6 +11,7 @@ aborts its sequences in every service.
 from __future__ import annotations
 
 import hmac
+import importlib.metadata
 import logging
 import time
 from pathlib import Path
@@ -39,7 +40,8 @@ from shared.tokenizer import read_chat_template
 log = logging.getLogger(__name__)
 
 # Probes and scrapers reach these without the API key; nothing else.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/live", "/health", "/metrics"})
+VERSION = importlib.metadata.version("specmesh")
 
 
 class Guard:
@@ -136,6 +138,12 @@ def build_app(cluster: Cluster, cfg: GatewayConfig) -> FastAPI:
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         return error_response(500, f"internal error: {type(exc).__name__}")
 
+    @app.get("/live")
+    async def live() -> dict[str, str]:
+        """Liveness: 200 while this process serves HTTP, workers or not (restarting the gateway
+        would not bring them back; /health is readiness)."""
+        return {"status": "ok"}
+
     @app.get("/health")
     async def health() -> JSONResponse:
         """Ready when a decode worker is alive (503 otherwise, so orchestrators wait)."""
@@ -146,6 +154,11 @@ def build_app(cluster: Cluster, cfg: GatewayConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """The package version, in vLLM's shape (SGLang puts it in /get_server_info)."""
+        return {"version": VERSION}
 
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
@@ -168,7 +181,8 @@ def build_app(cluster: Cluster, cfg: GatewayConfig) -> FastAPI:
                 spec_draft_tokens=stats.spec.draft_tokens,
                 spec_accepted_tokens=stats.spec.accepted_tokens,
             )
-        return {"model_path": cfg.model or DEFAULT_MODEL_NAME, "internal_states": [state]}
+        path = cfg.model or DEFAULT_MODEL_NAME
+        return {"model_path": path, "internal_states": [state], "version": VERSION}
 
     def model_card() -> dict[str, Any]:
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "specmesh"}
