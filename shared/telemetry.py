@@ -1,8 +1,10 @@
 """Tracing and metrics, set up the same way in every service.
 
 Traces: OpenTelemetry, exported over OTLP/HTTP when `OTEL_EXPORTER_OTLP_ENDPOINT`
-is set (the standard variables configure the exporter); the trace context
-travels in NATS headers (see shared/bus.py).
+is set (the standard variables configure the exporter; `OTEL_TRACES_EXPORTER`,
+`OTEL_SERVICE_NAME` and `OTEL_SDK_DISABLED` are honoured too); the trace context
+travels in NATS headers (see shared/bus.py), and the gateway continues a caller's
+W3C `traceparent` (services/gateway/access.py).
 
 Metrics: Prometheus, one definition of each here; a service serves the ones it
 updates on `/metrics`. Where SGLang has a metric, ours is SGLang's: its name (`sglang:`
@@ -14,9 +16,14 @@ works against us unchanged. `specmesh_` names cover what SGLang has no metric fo
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
+
+if TYPE_CHECKING:  # the SDK is imported only where tracing is on
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5, 10)
 # SGLang's ranges: a long chat's first token or whole answer must not read as 10 s.
@@ -27,27 +34,64 @@ _ITL_BUCKETS += (0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10)
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 90)
 _E2E_BUCKETS += (120, 180, 300, 600, 1200, 2400)
 MODEL = ["model_name"]
+TRACES_EXPORTERS = ("otlp", "console", "none")  # OTEL_TRACES_EXPORTER's values served here
 
 
 def setup_tracing(service: str, instance_id: str) -> None:
-    """Install an SDK tracer provider exporting over OTLP, if an endpoint is configured.
-    Without one the API's no-op tracer still carries incoming trace context onward."""
-    if not (
-        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-    ):
+    """Install an SDK tracer provider sending spans to the exporters the standard variables
+    choose (span_exporters), if any. Without one the API's no-op tracer still carries
+    incoming trace context onward."""
+    exporters = span_exporters()
+    if not exporters:
         return
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    resource = Resource.create(
-        {"service.name": f"specmesh-{service}", "service.instance.id": instance_id}
-    )
-    provider = TracerProvider(resource=resource)
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    provider = TracerProvider(resource=tracing_resource(service, instance_id))
+    for exporter in exporters:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
+
+
+def span_exporters() -> list[SpanExporter]:
+    """The exporters `OTEL_TRACES_EXPORTER` names (comma-separated; default otlp): otlp, sent
+    only where an OTLP endpoint is configured (the standard variables configure it), console
+    (JSON on stdout), none. None at all under `OTEL_SDK_DISABLED=true`."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return []
+    chosen = os.environ.get("OTEL_TRACES_EXPORTER", "otlp").lower().split(",")
+    names = {name.strip() for name in chosen}
+    if unknown := names - set(TRACES_EXPORTERS):
+        raise ValueError(
+            f"OTEL_TRACES_EXPORTER: unknown exporter {', '.join(sorted(unknown))} "
+            f"(known: {', '.join(TRACES_EXPORTERS)})"
+        )
+    exporters: list[SpanExporter] = []
+    if "none" in names:
+        return exporters
+    if "otlp" in names and (
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    ):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        exporters.append(OTLPSpanExporter())
+    if "console" in names:
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        exporters.append(ConsoleSpanExporter())
+    return exporters
+
+
+def tracing_resource(service: str, instance_id: str) -> Resource:
+    """Who sends the spans: `specmesh-<service>`, unless `OTEL_SERVICE_NAME` names it (the SDK
+    reads that, and `OTEL_RESOURCE_ATTRIBUTES`, itself; attributes given here would win)."""
+    from opentelemetry.sdk.resources import Resource
+
+    attributes = {"service.instance.id": instance_id}
+    if not os.environ.get("OTEL_SERVICE_NAME"):
+        attributes["service.name"] = f"specmesh-{service}"
+    return Resource.create(attributes)
 
 
 def shutdown_tracing() -> None:

@@ -11,6 +11,7 @@ from datetime import datetime
 
 import httpx
 import pytest
+from opentelemetry import propagate
 from opentelemetry.sdk.trace import TracerProvider
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -121,7 +122,9 @@ def test_the_access_log_has_a_line_per_request(lines: Callable[[], list[str]]) -
     async def requests() -> None:
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
-            await client.post("/v1/generate", headers={"x-request-id": "client-1"})
+            traced = {"x-request-id": "client-1"}
+            propagate.inject(traced)  # the client's traceparent
+            await client.post("/v1/generate", headers=traced)
             await client.get("/health", headers={"x-request-id": "client-2"})
             await client.get("/fails")
 

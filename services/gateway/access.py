@@ -1,8 +1,9 @@
 """The gateway's access log, and the span every HTTP request runs in.
 
-Each request is one trace: this span is its root, a generation route starts its sequences
-in a child span tagged with its request id (respond.py `start`), and every service's spans
-for the request hang below.
+Each request is one trace: this span is its root (or, where the caller sends a W3C
+`traceparent`, a child of the caller's span: the client's trace goes on through us), a
+generation route starts its sequences in a child span tagged with its request id
+(respond.py `start`), and every service's spans for the request hang below.
 It stays open until the response's last byte, streamed or not. The access line is logged
 inside it, so it carries the trace id (shared/logs.py) beside the request id.
 """
@@ -14,7 +15,8 @@ import logging
 import time
 from collections.abc import Collection, Iterable
 
-from opentelemetry import trace
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("specmesh.access")
@@ -25,6 +27,13 @@ REQUEST_ID = b"x-request-id"
 
 def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
     return next((v.decode("latin-1") for k, v in headers if k.lower() == name), None)
+
+
+def _caller_context(scope: Scope) -> Context:
+    """The trace context the caller's headers carry (`traceparent`, `tracestate`, baggage:
+    the configured propagators'), or an empty one."""
+    carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+    return propagate.extract(carrier)
 
 
 class AccessLog:
@@ -54,7 +63,7 @@ class AccessLog:
         span = (
             contextlib.nullcontext(trace.INVALID_SPAN)
             if path in self.untraced
-            else tracer.start_as_current_span(f"{method} {path}")
+            else tracer.start_as_current_span(f"{method} {path}", context=_caller_context(scope))
         )
         with span as current:
             try:
