@@ -142,7 +142,9 @@ def _visible(pos, pos_ok, token, row_ok, cached, new, mask_offset, masks_ptr):
     (causal) or mask[i, j] (a tree's sequence, whose mask starts at `mask_offset`)."""
     j = pos - cached  # index among the new tokens; < 0: cached
     tree = mask_offset >= 0
-    in_mask = tree & row_ok[:, None] & (pos_ok & (j >= 0))[None, :]
+    # where(), not `tree & ...`: the scalar's `&` makes int64 under triton 3.9's interpreter,
+    # and a load's mask must be boolean
+    in_mask = tl.where(tree, row_ok[:, None] & (pos_ok & (j >= 0))[None, :], False)
     bits = tl.load(masks_ptr + mask_offset + token[:, None] * new + j[None, :], in_mask, 0)
     sees_new = tl.where(tree, bits != 0, j[None, :] <= token[:, None])
     return pos_ok[None, :] & ((j < 0)[None, :] | sees_new)

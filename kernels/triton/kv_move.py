@@ -66,6 +66,6 @@ def _commit_kernel(
     start = tl.load(starts_ptr + seq)
     for k in range(1, tl.load(length_ptr + seq)):
         node = tl.load(path_ptr + seq * path_stride + k)
-        ok = (e < width) & (node != k)
+        ok = tl.where(node != k, e < width, False)  # boolean under every interpreter too
         row = tl.load(plane_ptr + _slot(table_row, start + node, PAGE) * width + e, ok)
         tl.store(plane_ptr + _slot(table_row, start + k, PAGE) * width + e, row, ok)
