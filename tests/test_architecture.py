@@ -1,8 +1,10 @@
-"""The import graph points one way: no cycles among our packages, nor among modules."""
+"""The import graph points one way: down the layers docs/architecture.md lists, with no
+cycles among our packages, nor among modules."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -82,3 +84,38 @@ def test_no_import_cycles(by_package: bool) -> None:
 def test_the_cycle_finder_finds_cycles() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b", "c"}, "b": {"c"}}) is None
+
+
+def layers() -> list[set[str]]:
+    """docs/architecture.md's layers, bottom first: the lines of the text block under
+    its "## Layers" heading, each naming the packages of one layer."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    section = doc.split("\n## Layers\n", 1)[1]
+    block = re.search(r"```text\n(.*?)```", section, re.S)
+    assert block, "docs/architecture.md's Layers section has no ```text block"
+    return [set(line.split()) for line in reversed(block.group(1).splitlines())]
+
+
+def upward_imports(graph: dict[str, set[str]], order: list[set[str]]) -> list[str]:
+    """Each import of `graph` that points to a higher layer of `order`, as "a -> b", and
+    each package `order` does not place."""
+    level = {pkg: i for i, names in enumerate(order) for pkg in names}
+    packages = set(graph) | {dst for dsts in graph.values() for dst in dsts}
+    found = [f"{pkg} is in no layer" for pkg in sorted(packages - set(level))]
+    for src in sorted(graph):
+        for dst in sorted(graph[src]):
+            if src in level and dst in level and level[dst] > level[src]:
+                found.append(f"{src} -> {dst}")
+    return found
+
+
+def test_imports_point_down_the_documented_layers() -> None:
+    graph = _graph(by_package=True)
+    every = {_package(m) for m in _modules()}
+    assert upward_imports({pkg: graph.get(pkg, set()) for pkg in every}, layers()) == []
+
+
+def test_the_layer_check_finds_upward_imports_and_unplaced_packages() -> None:
+    order = [{"low"}, {"mid", "peer"}, {"high"}]
+    graph = {"high": {"mid"}, "mid": {"low", "peer"}, "low": {"high"}, "new": {"low"}}
+    assert upward_imports(graph, order) == ["new is in no layer", "low -> high"]

@@ -5,9 +5,7 @@ a TCP port; its hand-off names that address, and the decode worker reads the blo
 from it: one copy across the network instead of two through a store server. Blocks die with
 their writer (a reader then computes them), and one prefill's blocks are not another's prefix.
 
-Wire format, per request on a kept-open connection: the reader sends a length-prefixed
-msgpack `BlockRequest`; the writer answers with one length-prefixed blob per key, the
-length `MISSING` for a key it does not hold.
+Readers use `peer.PeerReader`; `peer` also holds the wire format.
 """
 
 from __future__ import annotations
@@ -17,24 +15,20 @@ import contextlib
 import hmac
 import socket
 import socketserver
-import struct
 import threading
 import time
 
 import msgspec
 
 from shared.transport.base import KVTransport
-
-_FRAME = struct.Struct("!Q")
-MISSING = 2**64 - 1
-_MAX_REQUEST_BYTES = 64 << 20  # a request names keys; tens of thousands fit
-_CONNECT_TIMEOUT_S = 5.0
-_SOCKET_TIMEOUT_S = 60.0
-
-
-class BlockRequest(msgspec.Struct, kw_only=True):
-    keys: list[str]
-    secret: str = ""
+from shared.transport.peer import (
+    FRAME,
+    MAX_REQUEST_BYTES,
+    MISSING,
+    BlockRequest,
+    read_exact,
+    read_frame_length,
+)
 
 
 class BlockStore:
@@ -90,21 +84,6 @@ class BlockStore:
             self.size -= len(item[0])
 
 
-def _read_exact(sock: socket.socket, n: int) -> bytes:
-    data = bytearray(n)
-    view, got = memoryview(data), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("peer closed the connection")
-        got += k
-    return bytes(data)
-
-
-def _read_frame_length(sock: socket.socket) -> int:
-    return _FRAME.unpack(_read_exact(sock, _FRAME.size))[0]
-
-
 class _BlockHandler(socketserver.BaseRequestHandler):
     server: _BlockServer
 
@@ -118,10 +97,10 @@ class _BlockHandler(socketserver.BaseRequestHandler):
         """Answer requests until the reader hangs up or sends something malformed."""
         try:
             while True:
-                length = _read_frame_length(self.request)
-                if length > _MAX_REQUEST_BYTES:
+                length = read_frame_length(self.request)
+                if length > MAX_REQUEST_BYTES:
                     return
-                req = msgspec.msgpack.decode(_read_exact(self.request, length), type=BlockRequest)
+                req = msgspec.msgpack.decode(read_exact(self.request, length), type=BlockRequest)
                 if not hmac.compare_digest(req.secret, self.server.secret):
                     return
                 self._answer(req.keys)
@@ -132,9 +111,9 @@ class _BlockHandler(socketserver.BaseRequestHandler):
         for key in keys:
             blob = self.server.store.get(key)
             if blob is None:
-                self.request.sendall(_FRAME.pack(MISSING))
+                self.request.sendall(FRAME.pack(MISSING))
             else:
-                self.request.sendall(_FRAME.pack(len(blob)))
+                self.request.sendall(FRAME.pack(len(blob)))
                 self.request.sendall(blob)
 
 
@@ -197,55 +176,3 @@ class DirectTransport(KVTransport):
 
     def close(self) -> None:
         self._server.close()
-
-
-class PeerReader:
-    """Reads blocks from another process's DirectTransport, over one kept-open connection
-    (reconnected once when it broke since the last call)."""
-
-    def __init__(self, address: str, secret: str = "") -> None:
-        host, _, port = address.rpartition(":")
-        self.address, self._host_port = address, (host, int(port))
-        self._secret = secret
-        self._sock: socket.socket | None = None
-        self._lock = threading.Lock()
-
-    def get_many(self, keys: list[str]) -> list[bytes | None]:
-        """The value of each key, None where the writer lacks it; ConnectionError when the
-        writer cannot be reached."""
-        with self._lock:
-            try:
-                return self._request(keys)
-            except OSError:  # a connection the writer closed while idle: once more
-                self._close()
-            try:
-                return self._request(keys)
-            except OSError as e:
-                self._close()
-                raise ConnectionError(f"KV blocks at {self.address} unreachable: {e}") from e
-
-    def _request(self, keys: list[str]) -> list[bytes | None]:
-        sock = self._connect()
-        body = msgspec.msgpack.encode(BlockRequest(keys=keys, secret=self._secret))
-        sock.sendall(_FRAME.pack(len(body)) + body)
-        out: list[bytes | None] = []
-        for _ in keys:
-            length = _read_frame_length(sock)
-            out.append(None if length == MISSING else _read_exact(sock, length))
-        return out
-
-    def _connect(self) -> socket.socket:
-        if self._sock is None:
-            self._sock = socket.create_connection(self._host_port, timeout=_CONNECT_TIMEOUT_S)
-            self._sock.settimeout(_SOCKET_TIMEOUT_S)
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return self._sock
-
-    def _close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-
-    def close(self) -> None:
-        with self._lock:
-            self._close()
