@@ -4,7 +4,8 @@ issue 34's NATS cluster under compose), each result printed:
     python benchmarks/compose_check.py [--port 8130] [--rerun]
 
 1. `scripts/compose-local up --port P`: every container healthy (its time to healthy is
-   printed); 20 greedy chats through the gateway equal transformers' greedy output.
+   printed); 20 greedy chats through the gateway equal transformers' greedy output; the
+   bytes decode read through its KV transport (direct: pulled from prefill's container).
 2. Traces: every one of those requests is one trace, with spans from all five services,
    each from its own container (the OTLP endpoint compose.local.yml runs as otel-collector).
 3. `up --scale drafter=3 --scale decode=2`: the new instances heartbeat and are routed
@@ -46,6 +47,9 @@ SPANS_URL = "http://127.0.0.1:4318/v1/spans"  # compose.local.yml's otel-collect
 SERVICES = {"gateway", "tokenizer", "prefill", "decode", "drafter"}
 STREAMS = PROMPTS * 2  # concurrency 8
 SCALED = {"decode": 2, "drafter": 3}
+METRICS_FETCH = (
+    "import urllib.request as u; print(u.urlopen('http://127.0.0.1:9100/metrics').read().decode())"
+)
 
 
 def compose_local(*args: str) -> float:
@@ -79,6 +83,22 @@ def greedy_chats(url: str) -> tuple[list[str], list[str]]:
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(one, CHATS))
     return [text for text, _ in results], [rid for _, rid in results]
+
+
+def kv_bytes_read(container: str) -> float:
+    """specmesh_kv_transport_bytes_total that decode read, from its /metrics (asked inside
+    its container: the metrics port is not published on the host)."""
+    metrics = subprocess.run(
+        ["docker", "exec", container, "python", "-c", METRICS_FETCH],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    series = 'specmesh_kv_transport_bytes_total{direction="read",service="decode"} '
+    read = [
+        float(line.removeprefix(series)) for line in metrics.splitlines() if line.startswith(series)
+    ]
+    return sum(read)
 
 
 def check_traces(request_ids: list[str], timeout: float = 60) -> None:
@@ -200,6 +220,8 @@ def main() -> None:
         texts, request_ids = greedy_chats(url)
         same = sum(a == b for a, b in zip(texts, reference, strict=True))
         print(f"greedy: {same} of {len(CHATS)} chats equal transformers' greedy output")
+        (decode,) = names("decode")
+        print(f"kv transport: decode read {kv_bytes_read(decode) / 2**20:.1f} MiB of K/V")
         check_traces(request_ids)
         scaled_faults(url, args.port)
     finally:
