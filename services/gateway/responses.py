@@ -404,7 +404,8 @@ def _usage(generation: Generation, choice: ChatChoice) -> dict[str, Any]:
     counts = usage(generation, [choice])
     return {
         "input_tokens": counts["prompt_tokens"],
-        "input_tokens_details": counts["prompt_tokens_details"],
+        # No cache writes to report apart: the prefix cache keeps computed blocks as it goes.
+        "input_tokens_details": {**counts["prompt_tokens_details"], "cache_write_tokens": 0},
         "output_tokens": counts["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": counts["total_tokens"],
