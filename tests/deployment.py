@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import nats
+import openai
 from nats.aio.msg import Msg
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -34,6 +35,15 @@ from shared.protocol import (
     gateway_subject,
     inbox_prefix,
 )
+
+
+def openai_client(url: str, api_key: str = "unused", **options: Any) -> openai.OpenAI:
+    """The official client on the gateway at `url`, validating every response, streamed
+    chunks too, against the package's pydantic types: a missing or mistyped field fails the
+    call (APIResponseValidationError) where the lenient default would read it as None."""
+    return openai.OpenAI(
+        base_url=f"{url}/v1", api_key=api_key, _strict_response_validation=True, **options
+    )
 
 
 @contextmanager

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import httpx
 import jsonschema_rs
-import openai
 import pytest
-from deployment import specmesh_up
+from deployment import openai_client, specmesh_up
 from helpers import WEATHER_PARAMETERS
 
 QUESTION = "What is the capital of France?"
@@ -184,7 +183,7 @@ TOOL_PROMPTS = ["Weather in Lima?", "Is it cold in Oslo?", "What time is it in R
 def test_forced_tool_calls_without_parser_flags(url: str, stream: bool) -> None:
     """No --tool-call-parser here: the format comes from the chat template (hermes by
     default), and a grammar makes every forced call parse and fit its schema."""
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    client = openai_client(url, max_retries=0)
     validator = jsonschema_rs.validator_for(WEATHER_PARAMETERS)
     named = {"type": "function", "function": {"name": "get_weather"}}
     for prompt in TOOL_PROMPTS:
