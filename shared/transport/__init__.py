@@ -17,6 +17,7 @@ between calls except the byte counters, which are guarded by a lock.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -130,9 +131,17 @@ class TransportConfig:
 
 
 def local_address_towards(url: str) -> str:
-    """This host's address on the route to the first server of `url` (no packet is sent: a
-    UDP socket's connect only picks the route)."""
-    first = urlsplit(url.split(",")[0].strip())
+    """This host's address on the route to the first server of `url` whose name resolves (a
+    node that is down may have none: compose's DNS drops a stopped container's name). No
+    packet is sent: a UDP socket's connect only picks the route."""
+    servers = [urlsplit(part.strip()) for part in url.split(",")]
+    for server in servers[:-1]:
+        with contextlib.suppress(socket.gaierror):
+            return _address_towards(server.hostname, server.port)
+    return _address_towards(servers[-1].hostname, servers[-1].port)
+
+
+def _address_towards(host: str | None, port: int | None) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((first.hostname or "127.0.0.1", first.port or 4222))
+        s.connect((host or "127.0.0.1", port or 4222))
         return s.getsockname()[0]
