@@ -392,7 +392,7 @@ def faults(results: dict, plt) -> object:
         low, high = x["last_stream_after_s"][0], x["last_stream_after_s"][-1]
         ax.plot([low, high], [i, i], color=OURS, lw=6 if high > low else 0, solid_capstyle="butt")
         ax.plot([low, high], [i, i], "o", color=OURS)
-        label = f"{low:g}-{high:g} s" if high > low else f"{low:g} s"
+        label = f"{low}-{high} s" if high > low else f"{low} s"
         ax.annotate(
             f"{label}; {x['failed_streams']} streams failed in {x['tries']} tries",
             (high, i),
@@ -402,7 +402,7 @@ def faults(results: dict, plt) -> object:
         )
     ax.set_yticks(range(len(r)), [x["fault"] for x in r], fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlim(0, 16)
+    ax.set_xlim(0, 21)
     ax.set_xlabel("seconds from the fault until the last open stream ended")
     ax.set_title(
         f"Faults mid-stream: every output equal to its no-fault text ({entry['date']})", fontsize=10
@@ -453,6 +453,34 @@ def gpu(results: dict, plt) -> object:
     return fig
 
 
+def compose(results: dict, plt) -> object:
+    entry = results["compose_check"]
+    r = rows(entry)
+    fig, ax = plt.subplots(figsize=(9, 3))
+    names = [x["step"] for x in r]
+    images = [x["images_ready_s"] for x in r]
+    healthy = [x["healthy_after_up_s"] for x in r]
+    ax.barh(names, images, color="#9ecae1", label="images ready")
+    ax.barh(names, healthy, left=images, color=OURS, label="compose up to every container healthy")
+    for i, x in enumerate(r):
+        ax.annotate(
+            f"{x['images_ready_s']} s + {x['healthy_after_up_s']} s",
+            (x["images_ready_s"] + x["healthy_after_up_s"], i),
+            fontsize=7,
+            textcoords="offset points",
+            xytext=(4, -3),
+        )
+    ax.invert_yaxis()
+    ax.set_xlim(0, 420)
+    ax.tick_params(axis="y", labelsize=7)
+    ax.set_xlabel("seconds")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title(
+        f"scripts/compose-local from a fresh clone, 2 CPU cores ({source(entry)})", fontsize=10
+    )
+    return fig
+
+
 PLOTS: dict[str, Callable] = {
     "speed_decode": speed_decode,
     "quantized": quantized,
@@ -466,6 +494,7 @@ PLOTS: dict[str, Callable] = {
     "faults": faults,
     "cotenancy": cotenancy,
     "gpu": gpu,
+    "compose": compose,
 }
 
 
