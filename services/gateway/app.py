@@ -41,7 +41,18 @@ log = logging.getLogger(__name__)
 
 # Probes and scrapers reach these without the API key; nothing else.
 OPEN_PATHS = frozenset({"/live", "/health", "/metrics"})
-VERSION = importlib.metadata.version("specmesh")
+
+
+def _package_version() -> str:
+    """The installed distribution's version; "unknown" where the source tree runs without
+    being installed (PYTHONPATH, as scripts/gpu-check runs it)."""
+    try:
+        return importlib.metadata.version("specmesh")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+VERSION = _package_version()
 
 
 class Guard:
