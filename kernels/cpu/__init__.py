@@ -2,12 +2,14 @@
 over GGUF's quantized blocks; `attention.cpp`: tiled causal attention for prefill;
 `decoder.cpp`: the fused decoder step; `pool.cpp`: the thread pool they run their jobs on),
 compiled on first use by torch's extension builder and cached under
-~/.cache/torch_extensions. Without a compiler or AVX2 they are simply absent and the model
-runs its plain torch path."""
+~/.cache/torch_extensions, one build per content of the sources: checkouts of different
+versions on one machine keep their own builds instead of rebuilding one in turns. Without
+a compiler or AVX2 they are simply absent and the model runs its plain torch path."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from pathlib import Path
 from types import ModuleType
@@ -17,6 +19,15 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = ("attention.cpp", "decoder.cpp", "matmul.cpp", "pool.cpp", "quant.cpp")
+HERE = Path(__file__).parent
+
+
+def build_name() -> str:
+    """The extension's name: its build directory, keyed by every source and header."""
+    digest = hashlib.blake2b(digest_size=6)
+    for path in sorted([*HERE.glob("*.cpp"), *HERE.glob("*.h")]):
+        digest.update(path.name.encode() + path.read_bytes())
+    return f"specmesh_cpu_{digest.hexdigest()}"
 
 
 @functools.cache
@@ -28,8 +39,8 @@ def load() -> ModuleType | None:
 
     try:
         module = build(
-            name="specmesh_cpu",
-            sources=[str(Path(__file__).with_name(f)) for f in SOURCES],
+            name=build_name(),
+            sources=[str(HERE / f) for f in SOURCES],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"],
         )
     except Exception as exc:  # no compiler, no headers: the torch path still works
