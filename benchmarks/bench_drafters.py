@@ -37,11 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_speculative import REPEAT, REWRITE  # noqa: E402
 from deployment import specmesh_up  # noqa: E402
-
-from shared.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from shared.infra import start_nats  # noqa: E402
-from shared.model.fetch import fetch_default_model  # noqa: E402
-from shared.speculative.config import SpeculativeConfig, shipped_drafter  # noqa: E402
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from specmesh.shared.infra import start_nats  # noqa: E402
+from specmesh.shared.model.fetch import fetch_default_model  # noqa: E402
+from specmesh.shared.speculative.config import SpeculativeConfig, shipped_drafter  # noqa: E402
 
 CHAT = json.loads((Path(__file__).parent / "prompts" / "chat_heldout.json").read_text())
 SETS = {"chat": CHAT, "copy": REWRITE + REPEAT}

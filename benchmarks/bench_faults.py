@@ -35,9 +35,8 @@ from deployment import (  # noqa: E402
     heartbeats,
     specmesh_up,
 )
-
-from shared.infra import start_nats  # noqa: E402
-from shared.model.fetch import fetch_default_model  # noqa: E402
+from specmesh.shared.infra import start_nats  # noqa: E402
+from specmesh.shared.model.fetch import fetch_default_model  # noqa: E402
 
 
 def late_failures(responses: list[httpx.Response], reference: list[str]) -> list[str]:

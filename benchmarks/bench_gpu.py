@@ -27,10 +27,9 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-
-from shared.engine.engine import EngineConfig, LLMEngine
-from shared.model.fetch import fetch_default_model
-from shared.sampling.params import SamplingParams
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine
+from specmesh.shared.model.fetch import fetch_default_model
+from specmesh.shared.sampling.params import SamplingParams
 
 Outputs = list[list[int]]
 T = TypeVar("T")

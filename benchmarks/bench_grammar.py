@@ -34,13 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from deployment import specmesh_up  # noqa: E402
 from helpers import WEATHER_PARAMETERS  # noqa: E402
-
-from shared.core.spec_stats import SpecStats  # noqa: E402
-from shared.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from shared.model.fetch import fetch_default_model  # noqa: E402
-from shared.sampling.params import Grammar, SamplingParams  # noqa: E402
-from shared.speculative.config import SpeculativeConfig  # noqa: E402
-from shared.tokenizer import Tokenizer  # noqa: E402
+from specmesh.shared.core.spec_stats import SpecStats  # noqa: E402
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from specmesh.shared.model.fetch import fetch_default_model  # noqa: E402
+from specmesh.shared.sampling.params import Grammar, SamplingParams  # noqa: E402
+from specmesh.shared.speculative.config import SpeculativeConfig  # noqa: E402
+from specmesh.shared.tokenizer import Tokenizer  # noqa: E402
 
 
 def obj(required: bool = True, **properties: dict) -> dict:

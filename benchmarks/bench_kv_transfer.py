@@ -32,18 +32,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from cluster_faults import cluster  # noqa: E402
-
-from services.cluster_harness import netns, state  # noqa: E402
-from services.cluster_harness.topology import valkey_url  # noqa: E402
-from shared.transport import make_transport  # noqa: E402
+from specmesh.services.cluster_harness import netns, state  # noqa: E402
+from specmesh.services.cluster_harness.topology import valkey_url  # noqa: E402
+from specmesh.shared.transport import make_transport  # noqa: E402
 
 PORT = 8124
 
 
 def block_bytes() -> int:
     """Bytes of one full block of the default model's K/V (fp32, 16 tokens)."""
-    from shared.model.config import ModelConfig
-    from shared.model.fetch import fetch_default_model
+    from specmesh.shared.model.config import ModelConfig
+    from specmesh.shared.model.fetch import fetch_default_model
 
     cfg = ModelConfig.from_file(Path(fetch_default_model()) / "config.json")
     return cfg.num_layers * 2 * 16 * cfg.num_kv_heads * cfg.head_dim * 4
@@ -53,7 +52,7 @@ def worker(role: str, kind: str, url: str, address: str) -> None:
     """Runs in a host's namespace: answers JSON lines from stdin (a writer stores
     {"blocks", "size", "tag"}; a reader reads {"keys", "source"}) with the seconds taken."""
     options = {"password": os.environ["SPECMESH_REDIS_PASSWORD"]} if kind == "redis" else None
-    from shared.transport import DirectOptions
+    from specmesh.shared.transport import DirectOptions
 
     transport = make_transport(kind, "bench", url, options, DirectOptions(host=address))
     for line in sys.stdin:

@@ -42,14 +42,13 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from deployment import specmesh_up  # noqa: E402
-
-from shared.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from shared.infra import start_nats  # noqa: E402
-from shared.model.fetch import fetch_default_model  # noqa: E402
-from shared.sampling.params import SamplingParams  # noqa: E402
-from shared.speculative.config import SpeculativeConfig  # noqa: E402
-from shared.tokenizer import Tokenizer  # noqa: E402
-from shared.training.online import is_heldout  # noqa: E402
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from specmesh.shared.infra import start_nats  # noqa: E402
+from specmesh.shared.model.fetch import fetch_default_model  # noqa: E402
+from specmesh.shared.sampling.params import SamplingParams  # noqa: E402
+from specmesh.shared.speculative.config import SpeculativeConfig  # noqa: E402
+from specmesh.shared.tokenizer import Tokenizer  # noqa: E402
+from specmesh.shared.training.online import is_heldout  # noqa: E402
 
 HELDOUT_SHARE = 0.1  # the learner's default --speculative-online-heldout-share
 

@@ -36,12 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from deployment import specmesh_up  # noqa: E402
 from peers.llama_cpp import llama_cpp_paths, llama_server  # noqa: E402
-
-from shared.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from shared.infra import start_nats  # noqa: E402
-from shared.model.fetch import fetch_default_model  # noqa: E402
-from shared.sampling.params import SamplingParams  # noqa: E402
-from shared.tokenizer import Tokenizer  # noqa: E402
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from specmesh.shared.infra import start_nats  # noqa: E402
+from specmesh.shared.model.fetch import fetch_default_model  # noqa: E402
+from specmesh.shared.sampling.params import SamplingParams  # noqa: E402
+from specmesh.shared.tokenizer import Tokenizer  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CHAT = json.loads((HERE / "prompts" / "chat_heldout.json").read_text())

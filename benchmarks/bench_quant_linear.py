@@ -19,9 +19,8 @@ import time
 import gguf
 import numpy as np
 import torch
-
-from kernels.cpu import load, set_num_threads
-from shared.model.gguf_loader import FP16_SCALES, SERVED_BLOCK_TYPES
+from specmesh.kernels.cpu import load, set_num_threads
+from specmesh.shared.model.gguf_loader import FP16_SCALES, SERVED_BLOCK_TYPES
 
 Q = gguf.GGMLQuantizationType
 SHAPES = ((1536, 768), (576, 1536))  # [N, K]: up/gate-like, down-like

@@ -34,11 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_services import over_http  # noqa: E402
 from deployment import specmesh_up  # noqa: E402
 from peers.llama_cpp import llama_cpp_eagle3, llama_cpp_paths, llama_server  # noqa: E402
-
-from shared.infra import start_nats  # noqa: E402
-from shared.model.fetch import fetch_default_model  # noqa: E402
-from shared.model.gguf_loader import SOURCE_GGUF  # noqa: E402
-from shared.speculative.config import shipped_drafter  # noqa: E402
+from specmesh.shared.infra import start_nats  # noqa: E402
+from specmesh.shared.model.fetch import fetch_default_model  # noqa: E402
+from specmesh.shared.model.gguf_loader import SOURCE_GGUF  # noqa: E402
+from specmesh.shared.speculative.config import shipped_drafter  # noqa: E402
 
 HELDOUT = json.loads((Path(__file__).parent / "prompts" / "chat_heldout.json").read_text())
 GGUF = ("--quantization", "gguf")

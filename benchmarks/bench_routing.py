@@ -30,9 +30,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from deployment import specmesh_up  # noqa: E402
-
-from shared.infra import start_nats  # noqa: E402
-from shared.model.fetch import fetch_default_model  # noqa: E402
+from specmesh.shared.infra import start_nats  # noqa: E402
+from specmesh.shared.model.fetch import fetch_default_model  # noqa: E402
 
 CHAT = json.loads((Path(__file__).parent / "prompts" / "chat_heldout.json").read_text())
 SYSTEM = (

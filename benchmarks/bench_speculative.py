@@ -21,15 +21,14 @@ import time
 from pathlib import Path
 
 import torch
-
-from shared.engine.engine import EngineConfig, LLMEngine
-from shared.model.fetch import fetch_default_model
-from shared.sampling.params import SamplingParams
-from shared.speculative.accept import accept_greedy
-from shared.speculative.config import SpeculativeConfig
-from shared.speculative.drafter import DraftRequest
-from shared.speculative.ngram import NgramDrafter
-from shared.tokenizer import Tokenizer
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine
+from specmesh.shared.model.fetch import fetch_default_model
+from specmesh.shared.sampling.params import SamplingParams
+from specmesh.shared.speculative.accept import accept_greedy
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.speculative.drafter import DraftRequest
+from specmesh.shared.speculative.ngram import NgramDrafter
+from specmesh.shared.tokenizer import Tokenizer
 
 # Rewrite-style prompts (rewrite code with a small change, correct a sentence, extend a
 # list) and literal repetition; `specmesh bench speculative` measures on them too.

@@ -31,15 +31,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine
+from specmesh.shared.model.attention import SequenceSpan
+from specmesh.shared.model.fetch import fetch_default_model
+from specmesh.shared.model.layers import Linear
+from specmesh.shared.model.llama import LlamaForCausalLM
+from specmesh.shared.sampling.params import SamplingParams
+from specmesh.shared.tokenizer import Tokenizer
 from torch import nn
-
-from shared.engine.engine import EngineConfig, LLMEngine
-from shared.model.attention import SequenceSpan
-from shared.model.fetch import fetch_default_model
-from shared.model.layers import Linear
-from shared.model.llama import LlamaForCausalLM
-from shared.sampling.params import SamplingParams
-from shared.tokenizer import Tokenizer
 
 BATCHES = (1, 8, 32)
 VERIFY_TOKENS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
@@ -231,8 +230,7 @@ def services_table(
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_services import over_http  # noqa: PLC0415
     from deployment import specmesh_up  # noqa: PLC0415
-
-    from shared.infra import start_nats  # noqa: PLC0415
+    from specmesh.shared.infra import start_nats  # noqa: PLC0415
 
     n = args.new_tokens
     rows: dict[int, list[tuple[float, float, float]]] = {1: [], 8: []}

@@ -35,12 +35,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import httpx  # noqa: E402
 from deployment import GREEDY, PROMPTS, chat, fault_mid_stream  # noqa: E402
+from specmesh.services.compose_local.stack import containers, service_of  # noqa: E402
+from specmesh.shared.model.fetch import fetch_default_model  # noqa: E402
 from test_cluster import MAX_TOKENS  # noqa: E402
 from test_cluster import PROMPTS as CHATS  # noqa: E402
 from test_cluster import _transformers_greedy as transformers_greedy  # noqa: E402
-
-from services.compose_local.stack import containers, service_of  # noqa: E402
-from shared.model.fetch import fetch_default_model  # noqa: E402
 
 SCRIPT = ROOT / "scripts" / "compose-local"
 SPANS_URL = "http://127.0.0.1:4318/v1/spans"  # compose.local.yml's otel-collector

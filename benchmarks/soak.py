@@ -45,9 +45,8 @@ from deployment import (  # noqa: E402
     specmesh_up,
     stream_until_done,
 )
-
-from shared.infra import ServerProcess, free_port, start_nats, start_valkey  # noqa: E402
-from shared.model.fetch import fetch_default_model  # noqa: E402
+from specmesh.shared.infra import ServerProcess, free_port, start_nats, start_valkey  # noqa: E402
+from specmesh.shared.model.fetch import fetch_default_model  # noqa: E402
 
 CHAT = json.loads((Path(__file__).parent / "prompts" / "chat_heldout.json").read_text())
 SOAK_PROMPTS = PROMPTS + CHAT[:12]

@@ -1,10 +1,10 @@
 """Kernels: `cpu/`, the fused CPU decoder (C++, compiled on first use); `triton/`, Triton
 kernels for the GPU path (paged causal/tree attention, the engine's `--attention-backend
 triton`; draft-tree acceptance, KV block and accepted-path copies, not yet wired in);
-`check/`, `python -m kernels.check`, which holds each Triton kernel to the torch/Python path
-it stands for (under Triton's interpreter where there is no GPU). GPU code is imported only
-when chosen: nothing imports `kernels.triton` at module import time, so CPU use needs no
-Triton (the `gpu` extra)."""
+`check/`, `python -m specmesh.kernels.check`, which holds each Triton kernel to the
+torch/Python path it stands for (under Triton's interpreter where there is no GPU). GPU code
+is imported only when chosen: nothing imports `kernels.triton` at module import time, so CPU
+use needs no Triton (the `gpu` extra)."""
 
 import os
 

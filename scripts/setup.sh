@@ -14,4 +14,4 @@ VENV="${SPECMESH_VENV:-.venv}"
 pip install --quiet -r "requirements/${SPECMESH_LOCK:-serve}.lock"
 pip install --quiet --no-deps -e .
 # Compile the fused CPU decoder now (once per machine, cached), not in the first service.
-python -c "from kernels.cpu import load; load()"
+python -c "from specmesh.kernels.cpu import load; load()"

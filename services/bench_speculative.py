@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.config import model_option, option
-from shared.engine.engine import EngineConfig, LLMEngine
-from shared.model.fetch import resolve_model
-from shared.sampling.params import SamplingParams
-from shared.speculative.config import CHAIN_ONLY, SpeculativeConfig
-from shared.tokenizer import Tokenizer
+from specmesh.shared.config import model_option, option
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine
+from specmesh.shared.model.fetch import resolve_model
+from specmesh.shared.sampling.params import SamplingParams
+from specmesh.shared.speculative.config import CHAIN_ONLY, SpeculativeConfig
+from specmesh.shared.tokenizer import Tokenizer
 
 PROMPTS_DIR = Path(__file__).parents[1] / "benchmarks" / "prompts"
 DEFAULT_WORKLOADS = (

@@ -8,18 +8,23 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from services.decode.config import DecodeConfig
-from services.gateway.config import GatewayConfig
-from services.launcher import Configs, Launcher, UpConfig
-from services.learner.config import OnlineLearningConfig
-from services.prefill.config import PrefillConfig
-from services.tokenizer.config import TokenizerConfig
-from shared.bus import NatsAuth
-from shared.config import HelpFormatter, SGLangFlags, add_dataclass_args, dataclass_from_args
-from shared.engine.engine import EngineConfig
-from shared.logs import LogConfig, configure_logging
-from shared.speculative.config import SpeculativeConfig
-from shared.transport import TransportConfig
+from specmesh.services.decode.config import DecodeConfig
+from specmesh.services.gateway.config import GatewayConfig
+from specmesh.services.launcher import Configs, Launcher, UpConfig
+from specmesh.services.learner.config import OnlineLearningConfig
+from specmesh.services.prefill.config import PrefillConfig
+from specmesh.services.tokenizer.config import TokenizerConfig
+from specmesh.shared.bus import NatsAuth
+from specmesh.shared.config import (
+    HelpFormatter,
+    SGLangFlags,
+    add_dataclass_args,
+    dataclass_from_args,
+)
+from specmesh.shared.engine.engine import EngineConfig
+from specmesh.shared.logs import LogConfig, configure_logging
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.transport import TransportConfig
 
 _UP_CONFIGS = {
     "up": UpConfig,
@@ -37,8 +42,8 @@ _UP_CONFIGS = {
 
 
 def _up(args: argparse.Namespace) -> None:
-    from shared.model.fetch import resolve_model
-    from shared.speculative.factory import drafter_target_features
+    from specmesh.shared.model.fetch import resolve_model
+    from specmesh.shared.speculative.factory import drafter_target_features
 
     configs = Configs(**{name: dataclass_from_args(cls, args) for name, cls in _UP_CONFIGS.items()})
     configs.engine.model = str(resolve_model(configs.engine.model))  # fetch once, not per service
@@ -50,14 +55,14 @@ def _up(args: argparse.Namespace) -> None:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    from services.planner import PlanConfig, measure, report
+    from specmesh.services.planner import PlanConfig, measure, report
 
     cfg = dataclass_from_args(PlanConfig, args)
     print(report(measure(cfg, dataclass_from_args(NatsAuth, args)), cfg))
 
 
 def _fetch_model(args: argparse.Namespace) -> None:
-    from shared.model.fetch import ModelFetchError, fetch_default_model
+    from specmesh.shared.model.fetch import ModelFetchError, fetch_default_model
 
     try:
         print(fetch_default_model(args.dest))
@@ -96,8 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     fetch.add_argument("--dest", default=None, help="directory (default: the specmesh cache)")
     fetch.set_defaults(run=_fetch_model)
 
-    from services.bench_speculative import BenchSpeculativeConfig, sweep
-    from shared.training.train_draft import TrainDraftConfig, train_draft
+    from specmesh.services.bench_speculative import BenchSpeculativeConfig, sweep
+    from specmesh.shared.training.train_draft import TrainDraftConfig, train_draft
 
     train = _config_command(
         commands,
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         sweep,
     )
 
-    from services.planner import PlanConfig
+    from specmesh.services.planner import PlanConfig
 
     plan = commands.add_parser(
         "plan",

@@ -24,22 +24,21 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from prometheus_client import start_http_server
-
-from services.decode.config import DecodeConfig
-from services.drafter.config import DrafterConfig
-from services.gateway.config import GatewayConfig
-from services.learner.config import LearnerConfig, OnlineLearningConfig
-from services.prefill.config import PrefillConfig
-from services.supervision import Child, Server
-from services.tokenizer.config import TokenizerConfig
-from shared.bus import Bus, NatsAuth
-from shared.config import SGLangFlags, dataclass_argv, dataclass_secrets, option
-from shared.cores import plan_cores
-from shared.engine.engine import EngineConfig
-from shared.infra import ServerProcess, die_with_parent, start_nats, start_valkey
-from shared.protocol import HEARTBEAT, SERVICE_USERS, Heartbeat, nats_users
-from shared.speculative.config import SpeculativeConfig
-from shared.transport import DEFAULT_KV_NAMESPACE, TransportConfig
+from specmesh.services.decode.config import DecodeConfig
+from specmesh.services.drafter.config import DrafterConfig
+from specmesh.services.gateway.config import GatewayConfig
+from specmesh.services.learner.config import LearnerConfig, OnlineLearningConfig
+from specmesh.services.prefill.config import PrefillConfig
+from specmesh.services.supervision import Child, Server
+from specmesh.services.tokenizer.config import TokenizerConfig
+from specmesh.shared.bus import Bus, NatsAuth
+from specmesh.shared.config import SGLangFlags, dataclass_argv, dataclass_secrets, option
+from specmesh.shared.cores import plan_cores
+from specmesh.shared.engine.engine import EngineConfig
+from specmesh.shared.infra import ServerProcess, die_with_parent, start_nats, start_valkey
+from specmesh.shared.protocol import HEARTBEAT, SERVICE_USERS, Heartbeat, nats_users
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.transport import DEFAULT_KV_NAMESPACE, TransportConfig
 
 READY_TIMEOUT_S = 600  # first start-up may fetch and convert the model
 
@@ -228,7 +227,7 @@ class Launcher:
                 instance = f"{kind}-{i}"
                 placement = cores[instance]
                 placement.nice = niceness.get(kind, placement.nice)
-                argv = [sys.executable, "-m", f"services.{kind}", "--nats-url", nats_url]
+                argv = [sys.executable, "-m", f"specmesh.services.{kind}", "--nats-url", nats_url]
                 argv += ["--instance-id", instance, *self.configs.service_argv(kind)]
                 argv += dataclass_argv(placement)
                 if up.metrics and kind != "gateway":  # the gateway serves /metrics itself
@@ -267,6 +266,6 @@ class Launcher:
                 server.server.stop()
         transport = self.configs.transport
         if transport.kv_transport == "shm":
-            from shared.transport.shm import ShmTransport
+            from specmesh.shared.transport.shm import ShmTransport
 
             ShmTransport(transport.kv_namespace).remove_all()

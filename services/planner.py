@@ -26,10 +26,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
-
-from shared.bus import Bus, NatsAuth
-from shared.config import option
-from shared.protocol import HEARTBEAT, Heartbeat
+from specmesh.shared.bus import Bus, NatsAuth
+from specmesh.shared.config import option
+from specmesh.shared.protocol import HEARTBEAT, Heartbeat
 
 HEARTBEAT_WAIT_S = 2.5  # every live instance heartbeats within this (1 s interval)
 Samples = dict[str, float]  # sample name -> value, summed over label sets

@@ -15,8 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter
-
-from shared.infra import ServerProcess
+from specmesh.shared.infra import ServerProcess
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
 """specmesh's shared code. `kernels` is imported first: it sets OpenMP's wait policy, which
 only takes effect before torch loads."""
 
-import kernels  # noqa: F401
+import specmesh.kernels  # noqa: F401

@@ -22,9 +22,8 @@ from nats.aio.subscription import Subscription
 from nats.errors import NoServersError
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
-
-from shared.config import option, secret_option
-from shared.protocol import (
+from specmesh.shared.config import option, secret_option
+from specmesh.shared.protocol import (
     ErrorReply,
     PayloadTooLarge,
     ProtocolError,

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.config import option
+from specmesh.shared.config import option
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,7 @@ from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 
 from opentelemetry import trace
-
-from shared.config import env_name, option
+from specmesh.shared.config import env_name, option
 
 # What a record may carry besides its message (`extra=`): its ids, which text lines end with,
 # and an access line's HTTP fields, which its message already says (JSON has them all).

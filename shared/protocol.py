@@ -12,9 +12,8 @@ from __future__ import annotations
 from typing import Annotated, Any, TypeVar
 
 import msgspec
-
-from shared.core.spec_stats import SpecStats
-from shared.sampling.params import INT32_MAX, SamplingParams
+from specmesh.shared.core.spec_stats import SpecStats
+from specmesh.shared.sampling.params import INT32_MAX, SamplingParams
 
 PROTOCOL_VERSION = 3
 

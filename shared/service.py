@@ -35,12 +35,11 @@ from urllib.parse import urlsplit
 
 import nats
 from prometheus_client.exposition import MetricsHandler
-
-from shared.bus import Bus, NatsAuth
-from shared.config import HelpFormatter, add_dataclass_args, dataclass_from_args, option
-from shared.cores import CoresConfig, place_process
-from shared.logs import LogConfig, configure_logging
-from shared.protocol import (
+from specmesh.shared.bus import Bus, NatsAuth
+from specmesh.shared.config import HelpFormatter, add_dataclass_args, dataclass_from_args, option
+from specmesh.shared.cores import CoresConfig, place_process
+from specmesh.shared.logs import LogConfig, configure_logging
+from specmesh.shared.protocol import (
     GATEWAY_HEARTBEAT,
     HEARTBEAT,
     CacheFlushed,
@@ -48,7 +47,7 @@ from shared.protocol import (
     Heartbeat,
     flush_subject,
 )
-from shared.telemetry import (
+from specmesh.shared.telemetry import (
     GEN_THROUGHPUT,
     KV_BLOCKS_FREE,
     KV_BLOCKS_USED,
@@ -62,9 +61,9 @@ from shared.telemetry import (
 )
 
 if TYPE_CHECKING:  # the gateway and tokenizer never load torch
-    from shared.engine.async_engine import AsyncEngine
-    from shared.engine.engine import LLMEngine
-    from shared.transport import KVTransport
+    from specmesh.shared.engine.async_engine import AsyncEngine
+    from specmesh.shared.engine.engine import LLMEngine
+    from specmesh.shared.transport import KVTransport
 
 log = logging.getLogger(__name__)
 
@@ -325,9 +324,10 @@ class Service:
 def service_main(
     service_cls: type[Service], config_classes: list[type], argv: list[str] | None = None
 ) -> None:
-    """`python -m services.<name>`: options from flags and SPECMESH_* variables, then run."""
+    """`python -m specmesh.services.<name>`: options from flags and SPECMESH_* variables, then
+    run."""
     parser = argparse.ArgumentParser(
-        prog=f"python -m services.{service_cls.kind}",
+        prog=f"python -m specmesh.services.{service_cls.kind}",
         formatter_class=HelpFormatter,
     )
     for cls in [ServiceConfig, LogConfig, CoresConfig, *config_classes]:
@@ -339,7 +339,7 @@ def service_main(
         configure_logging(args.instance_id or service_cls.kind, logs.log_level, logs.log_format)
         threads = place_process(dataclass_from_args(CoresConfig, args))
         if service_cls.computes:  # before its model loads: every compute thread starts later
-            from kernels.cpu import set_num_threads
+            from specmesh.kernels.cpu import set_num_threads
 
             set_num_threads(threads)
         configs: list[Any] = [dataclass_from_args(cls, args) for cls in config_classes]

@@ -20,10 +20,9 @@ from jinja2.exceptions import TemplateError
 from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from specmesh.shared.parsers import held_back
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
-
-from shared.parsers import held_back
 
 
 def _raise(message: str) -> None:

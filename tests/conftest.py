@@ -6,9 +6,8 @@ import os
 from pathlib import Path
 
 import pytest
-
-from kernels.check.suite import device
-from shared.model.fetch import fetch_default_model
+from specmesh.kernels.check.suite import device
+from specmesh.shared.model.fetch import fetch_default_model
 
 # Nothing may come from a model hub; set before any test module imports transformers.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

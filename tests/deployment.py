@@ -22,9 +22,8 @@ import nats
 import openai
 from nats.aio.msg import Msg
 from prometheus_client.parser import text_string_to_metric_families
-
-from shared.infra import ServerProcess, free_port
-from shared.protocol import (
+from specmesh.shared.infra import ServerProcess, free_port
+from specmesh.shared.protocol import (
     ABORT,
     HEARTBEAT,
     SERVICE_USERS,
@@ -57,7 +56,7 @@ def specmesh_up(
     log = log or Path(tempfile.mkdtemp()) / "up.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", "--model", str(model)]
+            [sys.executable, "-m", "specmesh.services.cli", "up", "--model", str(model)]
             + ["--port", str(port), "--kv-cache-gb", "0.25", *args],
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             stdout=out,

@@ -8,8 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from shared.sampling.params import SamplingParams
+from specmesh.shared.sampling.params import SamplingParams
 
 PROMPTS = [
     "What is the capital of France?",

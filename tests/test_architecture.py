@@ -12,16 +12,18 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("shared", "services", "kernels")
+FOLDERS = ("specmesh", "shared", "services", "kernels")  # all installed under `specmesh`
 
 
 def _module_name(path: Path) -> str:
+    """shared/engine/engine.py -> specmesh.shared.engine.engine (setup.py's mapping)."""
     parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return name if name.split(".")[0] == "specmesh" else f"specmesh.{name}"
 
 
 def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    return {_module_name(p): p for pkg in FOLDERS for p in (ROOT / pkg).rglob("*.py")}
 
 
 def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
@@ -39,8 +41,10 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
 
 
 def _package(module: str) -> str:
-    """shared.engine.engine -> shared.engine; shared.bus -> shared.bus."""
-    return ".".join(module.split(".")[:2])
+    """specmesh.shared.engine.engine -> shared.engine; specmesh.shared.bus -> shared.bus;
+    specmesh.__main__ -> specmesh (the command)."""
+    parts = module.split(".")[1:]
+    return ".".join(parts[:2]) if parts and parts[0] in FOLDERS else "specmesh"
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -107,6 +111,22 @@ def upward_imports(graph: dict[str, set[str]], order: list[set[str]]) -> list[st
             if src in level and dst in level and level[dst] > level[src]:
                 found.append(f"{src} -> {dst}")
     return found
+
+
+def test_every_import_of_ours_names_the_specmesh_namespace() -> None:
+    """`import shared...` would load a second copy of a module beside specmesh.shared's."""
+    old = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module and not node.level
+                else []
+            )
+            old += [f"{name}: {n}" for n in names if n.split(".")[0] in FOLDERS[1:]]
+    assert old == []
 
 
 def test_imports_point_down_the_documented_layers() -> None:

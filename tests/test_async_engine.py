@@ -8,10 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from shared.engine.async_engine import AsyncEngine
-from shared.engine.engine import EngineConfig, LLMEngine
-from shared.sampling.params import SamplingParams
+from specmesh.shared.engine.async_engine import AsyncEngine
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine
+from specmesh.shared.sampling.params import SamplingParams
 
 PROMPTS = [[1, 9690, 198, 30] + [100 + i] * (i + 1) for i in range(4)]
 

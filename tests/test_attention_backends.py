@@ -18,17 +18,16 @@ import logging
 import pytest
 import torch
 from helpers import tiny_llama
-
-from shared.config import add_dataclass_args, dataclass_from_args
-from shared.core.tree import DraftTree
-from shared.engine.engine import EngineConfig, LLMEngine
-from shared.kvcache.kv_cache import KVCache
-from shared.model.attention import SequenceSpan, TorchAttention, context_slots
-from shared.model.loader import load_model
-from shared.model.page_table import custom_mask, page_table
-from shared.runner.model_runner import ModelRunner
-from shared.sampling.params import SamplingParams
-from shared.speculative.config import SpeculativeConfig
+from specmesh.shared.config import add_dataclass_args, dataclass_from_args
+from specmesh.shared.core.tree import DraftTree
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine
+from specmesh.shared.kvcache.kv_cache import KVCache
+from specmesh.shared.model.attention import SequenceSpan, TorchAttention, context_slots
+from specmesh.shared.model.loader import load_model
+from specmesh.shared.model.page_table import custom_mask, page_table
+from specmesh.shared.runner.model_runner import ModelRunner
+from specmesh.shared.sampling.params import SamplingParams
+from specmesh.shared.speculative.config import SpeculativeConfig
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 32
@@ -51,7 +50,7 @@ def dev() -> str:
     module is imported."""
     if not HAS_TRITON:
         return "cuda" if CUDA else "cpu"
-    from kernels.check.suite import device
+    from specmesh.kernels.check.suite import device
 
     return device()
 
@@ -169,7 +168,7 @@ def test_triton_engine_generates_the_torch_engines_tokens(dev: str, tiny: str) -
 def test_static_decode_step_matches_eager(dev: str, tiny: str) -> None:
     """The forward a CUDA graph records (fixed buffers, batch padded by its last row) gives
     the eager step's logits and leaves the same K/V."""
-    from shared.runner.cuda_graph import StaticStep
+    from specmesh.shared.runner.cuda_graph import StaticStep
 
     eager, static = (make_runner(tiny, "triton", dev, torch.float32) for _ in range(2))
     prefill = [(0, 0, list(PROMPTS[0]), None), (1, 0, list(PROMPTS[1]), None)]
@@ -195,7 +194,7 @@ def test_static_decode_step_matches_eager(dev: str, tiny: str) -> None:
 
 @pytest.mark.unit
 def test_capture_sizes() -> None:
-    from shared.runner.cuda_graph import capture_sizes
+    from specmesh.shared.runner.cuda_graph import capture_sizes
 
     assert capture_sizes(1) == [1]
     assert capture_sizes(5) == [1, 2, 4, 5]
@@ -239,7 +238,7 @@ def test_flashinfer_refuses_to_start_without_cuda(tiny: str) -> None:
 def test_triton_refuses_cpu_outside_the_interpreter(
     dev: str, tiny: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import shared.model.triton_attention  # noqa: F401  (its kernels defined for the interpreter)
+    import specmesh.shared.model.triton_attention  # noqa: F401  (its kernels defined for the interpreter)
 
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="triton needs a CUDA device"):
@@ -256,7 +255,7 @@ def test_a_narrower_kv_cache_needs_the_torch_backend(tiny: str) -> None:
 
 @pytest.mark.unit
 def test_gpu_options_parse_and_show_in_specmesh_up_help(capsys: pytest.CaptureFixture) -> None:
-    from services.cli import _UP_CONFIGS, main
+    from specmesh.services.cli import _UP_CONFIGS, main
 
     parser = argparse.ArgumentParser()
     add_dataclass_args(parser, EngineConfig)

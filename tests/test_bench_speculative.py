@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 from helpers import tiny_llama
-
-from services.bench_speculative import BenchSpeculativeConfig, sweep
+from specmesh.services.bench_speculative import BenchSpeculativeConfig, sweep
 
 
 def test_the_sweep_measures_every_shape_against_plain_decoding(

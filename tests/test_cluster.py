@@ -18,13 +18,12 @@ import pytest
 import torch
 from cluster_faults import STREAMS, strike_each
 from deployment import GREEDY, chat_text
-
-from services.cluster_harness import netns
-from services.cluster_harness.errors import ClusterError
-from services.cluster_harness.state import STATE_DIR
-from services.cluster_harness.topology import PREFIX, all_hosts
-from shared.infra import free_port
-from shared.tokenizer import Tokenizer
+from specmesh.services.cluster_harness import netns
+from specmesh.services.cluster_harness.errors import ClusterError
+from specmesh.services.cluster_harness.state import STATE_DIR
+from specmesh.services.cluster_harness.topology import PREFIX, all_hosts
+from specmesh.shared.infra import free_port
+from specmesh.shared.tokenizer import Tokenizer
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "cluster"
 PROMPTS = [

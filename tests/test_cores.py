@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from kernels.cpu import load as load_cpu_kernels
-from shared.cores import CoresConfig, format_cpus, parse_cpus, plan_cores, usable_cpus
+from specmesh.kernels.cpu import load as load_cpu_kernels
+from specmesh.shared.cores import CoresConfig, format_cpus, parse_cpus, plan_cores, usable_cpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,7 +60,7 @@ def test_decode_workers_get_cores_of_their_own_on_a_large_machine() -> None:
 
 def _placed(*args: str) -> str:
     code = (
-        "import os; from shared.cores import CoresConfig, place_process;"
+        "import os; from specmesh.shared.cores import CoresConfig, place_process;"
         f"n = place_process(CoresConfig({', '.join(args)}));"
         "print(n, sorted(os.sched_getaffinity(0)), os.getpriority(os.PRIO_PROCESS, 0),"
         " os.environ['OMP_NUM_THREADS'], os.environ['RAYON_NUM_THREADS'])"
@@ -95,7 +94,7 @@ def test_default_threads_follow_the_cgroup_quota(tmp_path: Path) -> None:
 @pytest.mark.unit
 def test_a_cpu_the_machine_lacks_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="--cpus 4096"):
-        from shared.cores import place_process
+        from specmesh.shared.cores import place_process
 
         place_process(CoresConfig(cpus="4096"))
 
@@ -156,7 +155,7 @@ def test_the_pool_serves_callers_on_several_threads_at_once(kernel) -> None:
 
 POOL_SCRIPT = """
 import os, subprocess, sys, time, torch
-from kernels.cpu import load
+from specmesh.kernels.cpu import load
 kernel = load()
 kernel.set_num_threads(2)
 weight = torch.randn(2048, 256)

@@ -43,22 +43,21 @@ from deployment import (
     specmesh_up,
 )
 from helpers import tiny_llama
-
-from services.decode.config import DecodeConfig
-from services.drafter.config import DrafterConfig
-from services.gateway.config import GatewayConfig
-from services.learner.config import LearnerConfig, OnlineLearningConfig
-from services.tokenizer.config import TokenizerConfig
-from shared.bus import Bus, NatsAuth
-from shared.config import env_name
-from shared.cores import CoresConfig
-from shared.engine.engine import EngineConfig
-from shared.infra import ServerProcess, free_port, start_nats, start_valkey
-from shared.logs import LogConfig
-from shared.protocol import nats_users
-from shared.service import ServiceConfig, service_main
-from shared.speculative.config import SpeculativeConfig
-from shared.transport import TransportConfig
+from specmesh.services.decode.config import DecodeConfig
+from specmesh.services.drafter.config import DrafterConfig
+from specmesh.services.gateway.config import GatewayConfig
+from specmesh.services.learner.config import LearnerConfig, OnlineLearningConfig
+from specmesh.services.tokenizer.config import TokenizerConfig
+from specmesh.shared.bus import Bus, NatsAuth
+from specmesh.shared.config import env_name
+from specmesh.shared.cores import CoresConfig
+from specmesh.shared.engine.engine import EngineConfig
+from specmesh.shared.infra import ServerProcess, free_port, start_nats, start_valkey
+from specmesh.shared.logs import LogConfig
+from specmesh.shared.protocol import nats_users
+from specmesh.shared.service import ServiceConfig, service_main
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.transport import TransportConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -185,7 +184,7 @@ def test_compose_runs_each_service_from_the_one_image() -> None:
         assert service["image"] == image
         assert (ROOT / service["build"]["context"] / service["build"]["dockerfile"]).is_file()
     for name in SERVICES:
-        assert _runs_module(services[name]["command"]) == f"services.{name}"
+        assert _runs_module(services[name]["command"]) == f"specmesh.services.{name}"
     assert services["model-init"]["command"][0] == "specmesh"
     _script_exists("specmesh")
     dockerfile = (DEPLOY / "Dockerfile").read_text()
@@ -293,8 +292,8 @@ def test_compose_local_overlay_only_swaps_images() -> None:
     """deploy/compose.local.yml (scripts/compose-local): the images built here for the
     services docker-compose.yml has, an OTLP endpoint of ours as otel-collector, and only
     the services no package provides (Jaeger, Grafana) left out by a profile."""
-    from services.compose_local.images import INFRA_IMAGES, PROJECT_IMAGE
-    from services.compose_local.stack import COMPOSE_FILES, ONE_SHOT
+    from specmesh.services.compose_local.images import INFRA_IMAGES, PROJECT_IMAGE
+    from specmesh.services.compose_local.stack import COMPOSE_FILES, ONE_SHOT
 
     assert COMPOSE_FILES == (ROOT / "docker-compose.yml", DEPLOY / "compose.local.yml")
     services = _compose()["services"]
@@ -308,7 +307,7 @@ def test_compose_local_overlay_only_swaps_images() -> None:
         assert set(overlay[name]) == {"image"} and overlay[name]["image"] in built, name
     assert built == {overlay[name]["image"] for name in (*NATS_NODES, "valkey", "prometheus")}
     sink = overlay["otel-collector"]
-    assert sink["command"][:3] == ["python", "-m", "services.compose_local.otlp_sink"]
+    assert sink["command"][:3] == ["python", "-m", "specmesh.services.compose_local.otlp_sink"]
     assert importlib.util.find_spec(sink["command"][2]) is not None
     assert "4318:4318" in services["otel-collector"]["ports"]
     assert "4318/health" in " ".join(sink["healthcheck"]["test"])
@@ -466,7 +465,7 @@ def test_nomad_job_has_a_group_per_service() -> None:
         (task,) = _blocks(group["task"]).values()
         assert task["driver"] == "docker"
         config = task["config"][0]
-        assert _runs_module([config["command"], *config["args"]]) == f"services.{name}"
+        assert _runs_module([config["command"], *config["args"]]) == f"specmesh.services.{name}"
         assert service["port"] in config["ports"]
         env = task["env"][0]
         unknown = {k for k in env if k.startswith("SPECMESH_")} - known
@@ -685,7 +684,7 @@ def test_deployed_nats_gives_each_service_only_its_subjects(
 
 
 def test_a_wrong_nats_password_fails_at_start(secured_nats: tuple[str, int]) -> None:
-    argv = [sys.executable, "-m", "services.drafter", "--speculative-algorithm", "NGRAM"]
+    argv = [sys.executable, "-m", "specmesh.services.drafter", "--speculative-algorithm", "NGRAM"]
     argv += ["--nats-url", secured_nats[0], "--nats-user", "drafter"]
     env = {**os.environ, "SPECMESH_NATS_PASSWORD": "wrong"}
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
@@ -798,7 +797,7 @@ def test_decode_refuses_kv_of_another_dtype(smollm_dir: Path, tmp_path: Path) ->
     log = tmp_path / "up.log"
     common = ["--model", str(model), "--kv-cache-gb", "0.25", "--kv-namespace", "dtype-test"]
     with start_nats() as nats:
-        argv = [sys.executable, "-m", "services.prefill", "--nats-url", nats.url, *common]
+        argv = [sys.executable, "-m", "specmesh.services.prefill", "--nats-url", nats.url, *common]
         prefill = subprocess.Popen([*argv, "--dtype", "float32"])
         try:
             args = ["--nats-url", nats.url, "--prefills", "0", "--dtype", "bfloat16", *common[2:]]
@@ -829,8 +828,7 @@ def test_otlp_sink_keeps_spans_with_their_service_instance_and_request() -> None
         ExportTraceServiceRequest,
     )
     from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
-
-    from services.compose_local.otlp_sink import REQUEST_ID, decode_spans
+    from specmesh.services.compose_local.otlp_sink import REQUEST_ID, decode_spans
 
     def attribute(key: str, value: str) -> KeyValue:
         return KeyValue(key=key, value=AnyValue(string_value=value))

@@ -9,15 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import GREEDY, PROMPTS
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine
+from specmesh.shared.model.config import ModelConfig
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.speculative.dflash import load_dflash
+from specmesh.shared.speculative.drafter import DraftRequest
+from specmesh.shared.speculative.factory import drafter_target_features
+from specmesh.shared.tokenizer import Tokenizer
 from test_speculative import spec_engine, write_eagle_head
-
-from shared.engine.engine import EngineConfig, LLMEngine
-from shared.model.config import ModelConfig
-from shared.speculative.config import SpeculativeConfig
-from shared.speculative.dflash import load_dflash
-from shared.speculative.drafter import DraftRequest
-from shared.speculative.factory import drafter_target_features
-from shared.tokenizer import Tokenizer
 
 BLOCK = 8
 

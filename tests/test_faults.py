@@ -40,12 +40,11 @@ from deployment import (
     specmesh_up,
     stream_until_done,
 )
-
-from services.gateway.cluster import Cluster, Generation
-from services.gateway.config import GatewayConfig
-from shared.bus import Bus
-from shared.infra import free_port, start_nats, start_valkey
-from shared.protocol import (
+from specmesh.services.gateway.cluster import Cluster, Generation
+from specmesh.services.gateway.config import GatewayConfig
+from specmesh.shared.bus import Bus
+from specmesh.shared.infra import free_port, start_nats, start_valkey
+from specmesh.shared.protocol import (
     ABORT,
     HEARTBEAT,
     PREFILL,
@@ -63,7 +62,7 @@ from shared.protocol import (
     decode_subject,
     detok_subject,
 )
-from shared.sampling.params import SamplingParams
+from specmesh.shared.sampling.params import SamplingParams
 
 CAPACITY = 8  # sequences in flight at the gateway before it answers 429
 
@@ -590,7 +589,7 @@ def test_prefill_refuses_past_its_queue_bound_and_drops_aborted_prompts(
     """4000 prompt tokens in 32-token chunks keep prefill busy for many seconds; an abort
     ends them within a step or two."""
     with start_nats() as nats_server:
-        argv = [sys.executable, "-m", "services.prefill", "--nats-url", nats_server.url]
+        argv = [sys.executable, "-m", "specmesh.services.prefill", "--nats-url", nats_server.url]
         argv += ["--model", str(smollm_dir), "--kv-cache-gb", "0.25", "--max-queued-requests", "1"]
         argv += ["--kv-namespace", f"abort-test-{os.getpid()}", "--max-num-batched-tokens", "32"]
         proc = subprocess.Popen(argv)

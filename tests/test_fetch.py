@@ -11,6 +11,14 @@ import gguf
 import pytest
 import torch
 from helpers import add_llama_metadata, gguf_permute
+from specmesh.shared.config import DEFAULT_MODEL_WHEEL
+from specmesh.shared.model.fetch import (
+    ModelFetchError,
+    convert_gguf,
+    download_gguf,
+    fetch_default_model,
+)
+from specmesh.shared.model.gguf_loader import load_gguf
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -23,10 +31,6 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-from shared.config import DEFAULT_MODEL_WHEEL
-from shared.model.fetch import ModelFetchError, convert_gguf, download_gguf, fetch_default_model
-from shared.model.gguf_loader import load_gguf
 
 SAMPLES = [
     "Hello, world!",

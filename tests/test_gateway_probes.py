@@ -8,10 +8,9 @@ import importlib.metadata
 
 import httpx
 import pytest
-
-from services.gateway.app import build_app
-from services.gateway.cluster import Cluster
-from services.gateway.config import GatewayConfig
+from specmesh.services.gateway.app import build_app
+from specmesh.services.gateway.cluster import Cluster
+from specmesh.services.gateway.config import GatewayConfig
 
 pytestmark = pytest.mark.unit
 

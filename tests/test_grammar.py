@@ -10,14 +10,13 @@ from pathlib import Path
 
 import jsonschema_rs
 import pytest
-
-from shared.core.tree import DraftTree
-from shared.engine.engine import EngineConfig, LLMEngine
-from shared.parsers.tools import TOOL_PARSERS, make_tool_parser
-from shared.sampling.grammar import GrammarCompiler
-from shared.sampling.params import Grammar, SamplingParams
-from shared.speculative.config import SpeculativeConfig
-from shared.tokenizer import Tokenizer
+from specmesh.shared.core.tree import DraftTree
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine
+from specmesh.shared.parsers.tools import TOOL_PARSERS, make_tool_parser
+from specmesh.shared.sampling.grammar import GrammarCompiler
+from specmesh.shared.sampling.params import Grammar, SamplingParams
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.tokenizer import Tokenizer
 
 SCHEMAS = [
     {

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 from huggingface_hub import constants
+from specmesh.shared.config import model_name_of
+from specmesh.shared.model.fetch import ModelFetchError, resolve_model
 from tokenizers import Tokenizer
-
-from shared.config import model_name_of
-from shared.model.fetch import ModelFetchError, resolve_model
 
 pytestmark = pytest.mark.unit
 

@@ -16,8 +16,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from deployment import chat_text, listing, scrape, specmesh_up
-
-from shared.infra import start_nats
+from specmesh.shared.infra import start_nats
 
 CANARY = "Name three colours."
 CANARY_TOKENS = 12

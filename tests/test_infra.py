@@ -1,4 +1,4 @@
-"""shared.infra's servers and the test OTLP receiver, as real processes and real HTTP."""
+"""specmesh.shared.infra's servers and the test OTLP receiver, as real processes and real HTTP."""
 
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from otlp_receiver import OtlpReceiver
-
-from shared.infra import ServerProcess, start_nats, start_valkey
-from shared.protocol import nats_users
+from specmesh.shared.infra import ServerProcess, start_nats, start_valkey
+from specmesh.shared.protocol import nats_users
 
 Starter = Callable[..., ServerProcess]
 

@@ -12,10 +12,9 @@ import sys
 
 import pytest
 import torch
-
-from kernels.check.result import Result, table
-from kernels.check.suite import device, run
-from shared.core.tree import DraftTree
+from specmesh.kernels.check.result import Result, table
+from specmesh.kernels.check.suite import device, run
+from specmesh.shared.core.tree import DraftTree
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="Triton is not installed"
@@ -46,7 +45,7 @@ def test_every_kernel_matches_its_reference(dev: str) -> None:
 
 @pytest.mark.unit
 def test_attention_check_fails_on_a_wrong_mask(dev: str) -> None:
-    from kernels.check import attention
+    from specmesh.kernels.check import attention
 
     case = attention.cases(dev, torch.float32, small=True)[0]
     assert any(s.mask is not None for s in case.spans)
@@ -61,7 +60,7 @@ def test_attention_check_fails_on_a_wrong_mask(dev: str) -> None:
 @pytest.mark.unit
 def test_accept_takes_the_first_matching_child(dev: str) -> None:
     """Two children of the root propose the target's token: both rules take the first."""
-    from kernels.check import accept
+    from specmesh.kernels.check import accept
 
     tree = DraftTree([9, 5, 5, 7], [-1, 0, 0, 2])
     assert accept.greedy_kernel([tree], [[5, 1, 7, 3]], dev) == [([0, 1], [5, 1])]
@@ -71,7 +70,7 @@ def test_accept_takes_the_first_matching_child(dev: str) -> None:
 
 @pytest.mark.unit
 def test_kv_move_check_fails_on_wrong_positions(dev: str) -> None:
-    from kernels.check import kv_move
+    from specmesh.kernels.check import kv_move
 
     case = kv_move.make_case(dev, torch.float32, small=True)
     assert not torch.equal(case.cache.storage, case.reference.storage)  # tokens do move
@@ -83,7 +82,7 @@ def test_kernels_compile_for_a_gpu() -> None:
     # A process of its own: the interpreter, on in this one, compiles nothing.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, "-m", "kernels.check.compile"],
+        [sys.executable, "-m", "specmesh.kernels.check.compile"],
         env=env,
         capture_output=True,
         text=True,

@@ -13,12 +13,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from specmesh.kernels.cpu import load
+from specmesh.shared.model.gguf_loader import FP16_SCALES, HELD_BY_Q8_0, as_q8_0
+from specmesh.shared.model.loader import load_model
 from test_quantized import MAX_REL_ERR, serve_like_dequantized, write_gguf
 from transformers import LlamaConfig
-
-from kernels.cpu import load
-from shared.model.gguf_loader import FP16_SCALES, HELD_BY_Q8_0, as_q8_0
-from shared.model.loader import load_model
 
 Q = gguf.GGMLQuantizationType
 TYPES = [Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q6_K]

@@ -12,16 +12,15 @@ from typing import Any
 import pytest
 import torch
 from helpers import tiny_llama
-
-from services import cli
-from services.launcher import Configs
-from shared.config import add_dataclass_args, dataclass_from_args, resolve_kv_cache_dtype
-from shared.engine.engine import EngineConfig, LLMEngine
-from shared.kvcache.exchange import KVExchange, kv_description, model_fingerprint
-from shared.kvcache.kv_cache import KVCache, blocks_for_mem_fraction
-from shared.model.attention import SequenceSpan
-from shared.sampling.params import SamplingParams
-from shared.transport.shm import ShmTransport
+from specmesh.services import cli
+from specmesh.services.launcher import Configs
+from specmesh.shared.config import add_dataclass_args, dataclass_from_args, resolve_kv_cache_dtype
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine
+from specmesh.shared.kvcache.exchange import KVExchange, kv_description, model_fingerprint
+from specmesh.shared.kvcache.kv_cache import KVCache, blocks_for_mem_fraction
+from specmesh.shared.model.attention import SequenceSpan
+from specmesh.shared.sampling.params import SamplingParams
+from specmesh.shared.transport.shm import ShmTransport
 
 CPU = torch.device("cpu")
 VOCAB = 128

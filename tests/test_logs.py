@@ -13,14 +13,13 @@ import httpx
 import pytest
 from opentelemetry import propagate
 from opentelemetry.sdk.trace import TracerProvider
+from specmesh.services.gateway.access import AccessLog
+from specmesh.shared.logs import configure_logging
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
-
-from services.gateway.access import AccessLog
-from shared.logs import configure_logging
 
 pytestmark = pytest.mark.unit
 

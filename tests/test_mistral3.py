@@ -23,23 +23,22 @@ import torch
 from deployment import chat, specmesh_up
 from PIL import Image
 from safetensors.torch import load_file, save_file
+from specmesh.shared.core.images import PromptImage
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine
+from specmesh.shared.kvcache.kv_cache import KVCache
+from specmesh.shared.model.attention import SequenceSpan
+from specmesh.shared.model.loader import load_model
+from specmesh.shared.multimodal.data_url import image_bytes
+from specmesh.shared.multimodal.preprocess import ImageProcessing, image_token_ids
+from specmesh.shared.multimodal.prompt import ImagePrompts
+from specmesh.shared.runner.model_runner import ModelRunner
+from specmesh.shared.sampling.params import SamplingParams
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.tokenizer import Tokenizer
 from test_model_variants import CPU, assert_close
 from tokenizers import Tokenizer as HFTokenizer
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
-
-from shared.core.images import PromptImage
-from shared.engine.engine import EngineConfig, LLMEngine
-from shared.kvcache.kv_cache import KVCache
-from shared.model.attention import SequenceSpan
-from shared.model.loader import load_model
-from shared.multimodal.data_url import image_bytes
-from shared.multimodal.preprocess import ImageProcessing, image_token_ids
-from shared.multimodal.prompt import ImagePrompts
-from shared.runner.model_runner import ModelRunner
-from shared.sampling.params import SamplingParams
-from shared.speculative.config import SpeculativeConfig
-from shared.tokenizer import Tokenizer
 
 VOCAB = 49160  # SmolLM2's 49152 and the three image tokens, rounded up
 LONGEST_EDGE = 56  # the processor's resize limit here: larger images shrink

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from specmesh.kernels.cpu import load as load_cpu_kernels
+from specmesh.shared.model.layers import Linear, pack_linears
+from specmesh.shared.model.rope import apply_rope, rope_cos_sin
 from torch import nn
-
-from kernels.cpu import load as load_cpu_kernels
-from shared.model.layers import Linear, pack_linears
-from shared.model.rope import apply_rope, rope_cos_sin
 
 pytestmark = pytest.mark.unit
 

@@ -15,6 +15,13 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from specmesh.shared.kvcache.kv_cache import KVCache
+from specmesh.shared.model.attention import SequenceSpan, TorchAttention
+from specmesh.shared.model.config import ModelConfig
+from specmesh.shared.model.llama import LlamaForCausalLM as OurLlama
+from specmesh.shared.model.loader import load_model
+from specmesh.shared.model.rope import rope_cos_sin
+from specmesh.shared.runner.model_runner import ModelRunner
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -29,14 +36,6 @@ from transformers import (
     Qwen3NextConfig,
     Qwen3NextForCausalLM,
 )
-
-from shared.kvcache.kv_cache import KVCache
-from shared.model.attention import SequenceSpan, TorchAttention
-from shared.model.config import ModelConfig
-from shared.model.llama import LlamaForCausalLM as OurLlama
-from shared.model.loader import load_model
-from shared.model.rope import rope_cos_sin
-from shared.runner.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 VOCAB = 128
@@ -344,7 +343,7 @@ def test_tiled_causal_attention_matches_sdpa(
     """attention.cpp over scattered cache slots, grouped heads, a head size that is not a
     whole number of 16-column blocks, and scores large enough that the running max moves
     from tile to tile, equals SDPA with the causal mask over the gathered context."""
-    from kernels.cpu import load
+    from specmesh.kernels.cpu import load
 
     gen = torch.Generator().manual_seed(cached + new)
     total = cached + new

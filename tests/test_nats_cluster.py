@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 from deployment import GREEDY, PROMPTS, Deployment, chat_text, fault_mid_stream, specmesh_up
 from nats.aio.msg import Msg
-
-from shared.bus import Bus
-from shared.infra import ServerProcess, cluster_urls, start_nats_cluster
+from specmesh.shared.bus import Bus
+from specmesh.shared.infra import ServerProcess, cluster_urls, start_nats_cluster
 
 
 @pytest.fixture(scope="module")

@@ -25,20 +25,19 @@ import torch
 from deployment import chat_text, heartbeats, listing, specmesh_up
 from helpers import SMOLLM_HEAD, write_eagle_head
 from safetensors.torch import load_file, save_file
-
-from services.learner.versions import HeadVersions
-from shared.engine.engine import EngineConfig, LLMEngine
-from shared.infra import start_nats
-from shared.model.loader import load_model
-from shared.sampling.params import SamplingParams
-from shared.speculative.config import shipped_drafter
-from shared.speculative.eagle import load_head
-from shared.speculative.head_blob import WEIGHTS
-from shared.tokenizer import Tokenizer
-from shared.training.data import Sample
-from shared.training.features import extract
-from shared.training.online import OnlineOptions, OnlineTrainer, is_heldout
-from shared.transport.shm import ShmTransport
+from specmesh.services.learner.versions import HeadVersions
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine
+from specmesh.shared.infra import start_nats
+from specmesh.shared.model.loader import load_model
+from specmesh.shared.sampling.params import SamplingParams
+from specmesh.shared.speculative.config import shipped_drafter
+from specmesh.shared.speculative.eagle import load_head
+from specmesh.shared.speculative.head_blob import WEIGHTS
+from specmesh.shared.tokenizer import Tokenizer
+from specmesh.shared.training.data import Sample
+from specmesh.shared.training.features import extract
+from specmesh.shared.training.online import OnlineOptions, OnlineTrainer, is_heldout
+from specmesh.shared.transport.shm import ShmTransport
 
 TOPICS = "owls rivers volcanoes bread chess rain bees trains moons glass salt maps clocks ice"
 PROMPTS = [f"Write two short facts about {topic}." for topic in TOPICS.split()]

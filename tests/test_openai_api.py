@@ -18,8 +18,7 @@ import jsonschema_rs
 import openai
 import pytest
 from deployment import openai_client, sample, scrape, specmesh_up
-
-from shared.infra import free_port, start_nats
+from specmesh.shared.infra import free_port, start_nats
 
 QUESTION = "What is the capital of France?"
 WEATHER_TOOL = {
@@ -208,7 +207,7 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
 
 
 def test_completions_prompt_forms(client: openai.OpenAI, smollm_dir: Path) -> None:
-    from shared.tokenizer import Tokenizer
+    from specmesh.shared.tokenizer import Tokenizer
 
     prompt = "The capital of France is"
     args = {"model": "SmolLM2-135M-Instruct", "max_tokens": 8, "temperature": 0}
@@ -527,7 +526,7 @@ def test_api_key(guarded: str) -> None:
 
 
 def test_an_empty_api_key_is_refused() -> None:
-    up = [sys.executable, "-m", "services.cli", "up", "--api-key", ""]
+    up = [sys.executable, "-m", "specmesh.services.cli", "up", "--api-key", ""]
     result = subprocess.run(up, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "--api-key (or SPECMESH_API_KEY) is empty" in result.stderr
 
@@ -556,7 +555,15 @@ def test_no_workers_is_503(smollm_dir: Path) -> None:
     nats = start_nats()
     port = free_port()
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "services.gateway", "--nats-url", nats.url, "--port", str(port)]
+        [
+            sys.executable,
+            "-m",
+            "specmesh.services.gateway",
+            "--nats-url",
+            nats.url,
+            "--port",
+            str(port),
+        ]
     )
     try:
         url = f"http://127.0.0.1:{port}"

@@ -8,10 +8,9 @@ import re
 from typing import Any
 
 import pytest
-
-from shared.parsers import held_back
-from shared.parsers.reasoning import REASONING_PARSERS, make_reasoning_parser
-from shared.parsers.tools import (
+from specmesh.shared.parsers import held_back
+from specmesh.shared.parsers.reasoning import REASONING_PARSERS, make_reasoning_parser
+from specmesh.shared.parsers.tools import (
     TOOL_PARSERS,
     ToolCall,
     make_tool_parser,

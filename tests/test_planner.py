@@ -4,8 +4,7 @@ a live deployment is in test_services.py)."""
 from __future__ import annotations
 
 import pytest
-
-from services.planner import Samples, plan
+from specmesh.services.planner import Samples, plan
 
 pytestmark = pytest.mark.unit
 

@@ -6,8 +6,7 @@ from typing import Any
 
 import msgspec
 import pytest
-
-from shared.protocol import (
+from specmesh.shared.protocol import (
     PROTOCOL_VERSION,
     AdmitRequest,
     DraftItem,
@@ -26,7 +25,7 @@ from shared.protocol import (
     decode,
     encode,
 )
-from shared.sampling.params import SamplingParams
+from specmesh.shared.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.unit
 

@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 import torch
 from helpers import add_llama_metadata, gguf_permute
+from specmesh.kernels.cpu import load
+from specmesh.shared.kvcache.kv_cache import KVCache
+from specmesh.shared.model.attention import SequenceSpan
+from specmesh.shared.model.loader import load_model
+from specmesh.shared.runner.model_runner import ModelRunner
 from transformers import LlamaConfig, LlamaForCausalLM
-
-from kernels.cpu import load
-from shared.kvcache.kv_cache import KVCache
-from shared.model.attention import SequenceSpan
-from shared.model.loader import load_model
-from shared.runner.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 Q = gguf.GGMLQuantizationType

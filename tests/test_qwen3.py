@@ -17,18 +17,17 @@ import torch
 from deployment import chat_text, specmesh_up
 from helpers import PROMPTS, write_eagle_head
 from safetensors.torch import load_file, save_file
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine
+from specmesh.shared.kvcache.kv_cache import KVCache
+from specmesh.shared.model.attention import SequenceSpan
+from specmesh.shared.model.config import ModelConfig
+from specmesh.shared.model.loader import load_model
+from specmesh.shared.model.moe import MoE
+from specmesh.shared.runner.model_runner import ModelRunner
+from specmesh.shared.sampling.params import SamplingParams
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.tokenizer import Tokenizer
 from test_model_variants import BLOCK_SIZE, CPU, VOCAB, Variant, assert_close, build_hf, hf_logits
-
-from shared.engine.engine import EngineConfig, LLMEngine
-from shared.kvcache.kv_cache import KVCache
-from shared.model.attention import SequenceSpan
-from shared.model.config import ModelConfig
-from shared.model.loader import load_model
-from shared.model.moe import MoE
-from shared.runner.model_runner import ModelRunner
-from shared.sampling.params import SamplingParams
-from shared.speculative.config import SpeculativeConfig
-from shared.tokenizer import Tokenizer
 
 QWEN3 = {"head_dim": 32}  # 4 heads of 32: q is 128 wide over a hidden size of 64
 MOE = {

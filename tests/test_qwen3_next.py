@@ -20,21 +20,20 @@ import torch
 from deployment import chat_text, specmesh_up
 from helpers import PROMPTS
 from safetensors.torch import save_file
+from specmesh.shared.core.tree import DraftTree
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine
+from specmesh.shared.kvcache.kv_cache import KVCache
+from specmesh.shared.model.attention import SequenceSpan
+from specmesh.shared.model.config import ModelConfig
+from specmesh.shared.model.gated_deltanet import GatedDeltaNet
+from specmesh.shared.model.loader import load_model
+from specmesh.shared.model.moe import MoE
+from specmesh.shared.runner.model_runner import ModelRunner
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.speculative.drafter import DraftRequest, LocalDrafter
+from specmesh.shared.tokenizer import Tokenizer
 from test_model_variants import CPU, VOCAB, Variant, assert_close, build_hf, hf_logits
 from test_qwen3 import GREEDY, MAX_TOKENS, assert_generates, chat_reference
-
-from shared.core.tree import DraftTree
-from shared.engine.engine import EngineConfig, LLMEngine
-from shared.kvcache.kv_cache import KVCache
-from shared.model.attention import SequenceSpan
-from shared.model.config import ModelConfig
-from shared.model.gated_deltanet import GatedDeltaNet
-from shared.model.loader import load_model
-from shared.model.moe import MoE
-from shared.runner.model_runner import ModelRunner
-from shared.speculative.config import SpeculativeConfig
-from shared.speculative.drafter import DraftRequest, LocalDrafter
-from shared.tokenizer import Tokenizer
 
 NEXT = {
     "num_hidden_layers": 4,  # linear, linear, linear, full (full_attention_interval 4)

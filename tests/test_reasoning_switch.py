@@ -13,9 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 from deployment import chat, specmesh_up
-
-from shared.parsers.reasoning import make_reasoning_parser
-from shared.tokenizer import Tokenizer
+from specmesh.shared.parsers.reasoning import make_reasoning_parser
+from specmesh.shared.tokenizer import Tokenizer
 
 # Like Qwen3's (hybrid) template: thinking off writes an empty section for the model.
 QWEN3_TEMPLATE = """

@@ -6,14 +6,13 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from services.gateway.cache_index import CacheIndex, WorkerCache
-from services.gateway.config import GatewayConfig
-from services.gateway.router import Candidate, best, computes_locally
-from shared.core.sequence import Sequence
-from shared.kvcache.block_manager import BlockManager
-from shared.kvcache.events import CacheEventLog
-from shared.sampling.params import SamplingParams
+from specmesh.services.gateway.cache_index import CacheIndex, WorkerCache
+from specmesh.services.gateway.config import GatewayConfig
+from specmesh.services.gateway.router import Candidate, best, computes_locally
+from specmesh.shared.core.sequence import Sequence
+from specmesh.shared.kvcache.block_manager import BlockManager
+from specmesh.shared.kvcache.events import CacheEventLog
+from specmesh.shared.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.unit
 
@@ -59,7 +58,7 @@ def test_event_batches_follow_the_prefix_cache_keys() -> None:
 
 
 def test_the_index_counts_leading_cached_blocks_never_the_last_token() -> None:
-    from shared.kvcache.block_manager import block_hash
+    from specmesh.shared.kvcache.block_manager import block_hash
 
     prompt = list(range(13))  # 3 whole blocks and one token
     chain, prev = [], None

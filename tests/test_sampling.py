@@ -6,11 +6,10 @@ import math
 
 import pytest
 import torch
-
-from shared.core.sequence import Sequence
-from shared.runner.logits import processed_logits
-from shared.sampling.params import SamplingParams
-from shared.sampling.sampler import (
+from specmesh.shared.core.sequence import Sequence
+from specmesh.shared.runner.logits import processed_logits
+from specmesh.shared.sampling.params import SamplingParams
+from specmesh.shared.sampling.sampler import (
     Sampler,
     apply_penalties,
     draw,

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
-from shared.core.sequence import Sequence, SequenceStatus
-from shared.engine.scheduler import Scheduler
-from shared.kvcache.block_manager import BlockManager
-from shared.sampling.params import SamplingParams
+from specmesh.shared.core.sequence import Sequence, SequenceStatus
+from specmesh.shared.engine.scheduler import Scheduler
+from specmesh.shared.kvcache.block_manager import BlockManager
+from specmesh.shared.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.unit
 

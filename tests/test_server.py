@@ -10,8 +10,7 @@ import httpx
 import pytest
 import torch
 from deployment import chat, specmesh_up
-
-from shared.tokenizer import Tokenizer
+from specmesh.shared.tokenizer import Tokenizer
 
 PROMPTS = [
     "What is the capital of France?",

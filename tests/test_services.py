@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+import specmesh.shared.speculative
 from deployment import (
     chat,
     chat_text,
@@ -31,13 +32,11 @@ from deployment import (
 )
 from helpers import tiny_llama
 from otlp_receiver import OtlpReceiver
-
-import shared.speculative
-from shared.engine.engine import EngineConfig, LLMEngine
-from shared.infra import ServerProcess, start_nats, start_valkey
-from shared.sampling.params import SamplingParams
-from shared.speculative.config import SpeculativeConfig
-from shared.tokenizer import Tokenizer
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine
+from specmesh.shared.infra import ServerProcess, start_nats, start_valkey
+from specmesh.shared.sampling.params import SamplingParams
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.tokenizer import Tokenizer
 
 PROMPTS = [
     "Repeat exactly: red green blue, red green blue, red green blue.",
@@ -188,7 +187,7 @@ def test_sglang_dashboard_series_are_served(ngram: tuple[str, str], smollm_dir: 
 def test_an_sglang_launch_command_starts_us_unchanged(smollm_dir: Path) -> None:
     """SGLang's EAGLE-3 example (docs/advanced_features/speculative_decoding), its model and
     draft paths aside: GPU-only flags are accepted, `--mem-fraction` abbreviated as there."""
-    head = Path(shared.speculative.__file__).parent / "heads" / f"{smollm_dir.name}-EAGLE3"
+    head = Path(specmesh.shared.speculative.__file__).parent / "heads" / f"{smollm_dir.name}-EAGLE3"
     sglang = (
         f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {head} "
         "--speculative-num-steps 5 --speculative-eagle-topk 8 --speculative-num-draft-tokens 32 "
@@ -249,7 +248,16 @@ def test_shared_prefix_is_computed_once(ngram: tuple[str, str], smollm_dir: Path
 
 def test_plan_sizes_the_pools_from_live_load(ngram: tuple[str, str]) -> None:
     url, nats_url = ngram
-    argv = [sys.executable, "-m", "services.cli", "plan", "--nats-url", nats_url, "--window", "4"]
+    argv = [
+        sys.executable,
+        "-m",
+        "specmesh.services.cli",
+        "plan",
+        "--nats-url",
+        nats_url,
+        "--window",
+        "4",
+    ]
     with ThreadPoolExecutor(2) as pool:
         planning = pool.submit(subprocess.run, argv, capture_output=True, text=True, timeout=120)
         while not planning.done():
@@ -368,7 +376,7 @@ def test_prompt_features_reach_the_drafter(learned: tuple[str, str], smollm_dir:
 
 
 def _start_instance(kind: str, nats_url: str, instance: str, *args: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", f"services.{kind}", "--nats-url", nats_url]
+    argv = [sys.executable, "-m", f"specmesh.services.{kind}", "--nats-url", nats_url]
     return subprocess.Popen([*argv, "--instance-id", instance, *args])
 
 
@@ -410,7 +418,7 @@ def test_instances_join_and_leave_at_run_time(
 
 def test_bad_instance_flags_fail_clearly() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "services.drafter", "--nats-url", "nats://127.0.0.1:1"],
+        [sys.executable, "-m", "specmesh.services.drafter", "--nats-url", "nats://127.0.0.1:1"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -9,17 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import GREEDY, PROMPTS, tiny_llama, write_eagle_head
-
-from shared.config import DEFAULT_MODEL_NAME
-from shared.core.tree import DraftTree
-from shared.engine.engine import EngineConfig, LLMEngine
-from shared.engine.speculation import StepCosts, best_budget
-from shared.sampling.params import SamplingParams
-from shared.sampling.sampler import draw, position_generator
-from shared.speculative.accept import accept_sampling
-from shared.speculative.config import HEADS_DIR, SpeculativeConfig
-from shared.speculative.factory import drafter_target_features
-from shared.tokenizer import Tokenizer
+from specmesh.shared.config import DEFAULT_MODEL_NAME
+from specmesh.shared.core.tree import DraftTree
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine
+from specmesh.shared.engine.speculation import StepCosts, best_budget
+from specmesh.shared.sampling.params import SamplingParams
+from specmesh.shared.sampling.sampler import draw, position_generator
+from specmesh.shared.speculative.accept import accept_sampling
+from specmesh.shared.speculative.config import HEADS_DIR, SpeculativeConfig
+from specmesh.shared.speculative.factory import drafter_target_features
+from specmesh.shared.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -181,9 +180,11 @@ def test_speculative_sampling_matches_the_target_distribution(
     rule: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if rule == "wrong":
-        import shared.engine.speculation
+        import specmesh.shared.engine.speculation
 
-        monkeypatch.setattr(shared.engine.speculation, "accept_sampling", _accept_without_residual)
+        monkeypatch.setattr(
+            specmesh.shared.engine.speculation, "accept_sampling", _accept_without_residual
+        )
     target = tiny_llama(tmp_path / "target", vocab=6, seed=1, hidden=32, layers=2)
     draft = tiny_llama(tmp_path / "draft", vocab=6, seed=2, hidden=32, layers=1)
     prompt, n = [1, 4, 2], 3000
@@ -362,7 +363,7 @@ def hot_tokens(tmp_path: Path, answers: list[list[int]]) -> tuple[list[int], Pat
 def test_token_map_restricts_drafts_and_stays_lossless(
     smollm_dir: Path, tmp_path: Path, prompt_ids: list[list[int]], reference: list[list[int]]
 ) -> None:
-    from shared.speculative.drafter import DraftRequest
+    from specmesh.shared.speculative.drafter import DraftRequest
 
     keep, token_map = hot_tokens(tmp_path, reference[:3])
     engine = spec_engine(

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from shared.core.tree import DraftTree
-from shared.speculative.accept import accept_greedy
-from shared.speculative.config import SpeculativeConfig
-from shared.speculative.drafter import DraftRequest
-from shared.speculative.ngram import NgramDrafter, NgramTrie
+from specmesh.shared.core.tree import DraftTree
+from specmesh.shared.speculative.accept import accept_greedy
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.speculative.drafter import DraftRequest
+from specmesh.shared.speculative.ngram import NgramDrafter, NgramTrie
 
 pytestmark = pytest.mark.unit
 

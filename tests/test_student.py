@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from specmesh.shared.model.loader import load_model, save_model
+from specmesh.shared.training.student_trainer import causal_hidden, new_student, spaced_layers
 
-from shared.model.loader import load_model, save_model
-from shared.training.student_trainer import causal_hidden, new_student, spaced_layers
 from tests.helpers import tiny_llama
 
 CPU = torch.device("cpu")

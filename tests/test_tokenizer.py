@@ -6,8 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from shared.tokenizer import IncrementalDetokenizer, TextStream, Tokenizer
+from specmesh.shared.tokenizer import IncrementalDetokenizer, TextStream, Tokenizer
 
 MULTIBYTE_TEXT = (
     "Héllo wörld! 你好，世界 🎉🚀 naïve café — ½ 12345  spaces\n\ttab "

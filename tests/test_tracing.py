@@ -13,15 +13,14 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from specmesh.services.gateway import access
+from specmesh.services.gateway.access import AccessLog
+from specmesh.shared.telemetry import span_exporters, tracing_resource
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
-
-from services.gateway import access
-from services.gateway.access import AccessLog
-from shared.telemetry import span_exporters, tracing_resource
 
 pytestmark = pytest.mark.unit
 

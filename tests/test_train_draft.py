@@ -13,20 +13,25 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
-from shared.engine.engine import EngineConfig, LLMEngine
-from shared.model.config import ModelConfig
-from shared.model.llama import LlamaForCausalLM
-from shared.model.loader import load_model
-from shared.sampling.params import SamplingParams
-from shared.speculative.config import SpeculativeConfig
-from shared.speculative.eagle import EagleHead, HeadSpec, load_head, read_head_spec, save_head
-from shared.tokenizer import Tokenizer
-from shared.training.data import CaptureReader, find_captures, read_samples, self_distill
-from shared.training.eagle_trainer import Roots, collate, reached, unrolled_loss
-from shared.training.features import TargetViews, capture_layers, extract, from_capture
-from shared.training.prompts import TOPICS, training_prompts
-from shared.training.train_draft import (
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine
+from specmesh.shared.model.config import ModelConfig
+from specmesh.shared.model.llama import LlamaForCausalLM
+from specmesh.shared.model.loader import load_model
+from specmesh.shared.sampling.params import SamplingParams
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.speculative.eagle import (
+    EagleHead,
+    HeadSpec,
+    load_head,
+    read_head_spec,
+    save_head,
+)
+from specmesh.shared.tokenizer import Tokenizer
+from specmesh.shared.training.data import CaptureReader, find_captures, read_samples, self_distill
+from specmesh.shared.training.eagle_trainer import Roots, collate, reached, unrolled_loss
+from specmesh.shared.training.features import TargetViews, capture_layers, extract, from_capture
+from specmesh.shared.training.prompts import TOPICS, training_prompts
+from specmesh.shared.training.train_draft import (
     Corpus,
     TrainDraftConfig,
     feature_layers,
@@ -513,7 +518,7 @@ def test_specmesh_up_refuses_a_bad_head_before_starting(
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "specmesh.services.cli",
             "up",
             "--model",
             str(smollm_dir),
@@ -551,7 +556,7 @@ def test_specmesh_up_refuses_bad_speculation_before_starting(
     target.mkdir()
     for f in smollm_dir.iterdir():
         (target / f.name).symlink_to(f)
-    command = [sys.executable, "-m", "services.cli", "up", "--model", str(target), *args]
+    command = [sys.executable, "-m", "specmesh.services.cli", "up", "--model", str(target), *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr

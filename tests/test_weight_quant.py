@@ -14,19 +14,18 @@ import pytest
 import torch
 from helpers import GREEDY, PROMPTS, tiny_llama
 from safetensors.torch import load_file, save_file
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine
+from specmesh.shared.kvcache.kv_cache import KVCache
+from specmesh.shared.model.awq_gptq import Int4Layout, q4_1
+from specmesh.shared.model.fp8 import fp8_weight
+from specmesh.shared.model.layers import Linear
+from specmesh.shared.model.loader import load_model
+from specmesh.shared.model.quantize import quantize_linears
+from specmesh.shared.runner.model_runner import ModelRunner
+from specmesh.shared.speculative.config import HEADS_DIR, SpeculativeConfig
+from specmesh.shared.tokenizer import Tokenizer
 from test_quantized import MAX_REL_ERR, greedy, runner
 from transformers import LlamaConfig, LlamaForCausalLM
-
-from shared.engine.engine import EngineConfig, LLMEngine
-from shared.kvcache.kv_cache import KVCache
-from shared.model.awq_gptq import Int4Layout, q4_1
-from shared.model.fp8 import fp8_weight
-from shared.model.layers import Linear
-from shared.model.loader import load_model
-from shared.model.quantize import quantize_linears
-from shared.runner.model_runner import ModelRunner
-from shared.speculative.config import HEADS_DIR, SpeculativeConfig
-from shared.tokenizer import Tokenizer
 
 CPU = torch.device("cpu")
 CUDA = torch.cuda.is_available()

@@ -13,8 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-
-from shared.infra import free_port
+from specmesh.shared.infra import free_port
 
 SCRIPT = Path(__file__).resolve().parent / "llama_cpp.sh"
 

@@ -176,7 +176,7 @@ job "specmesh" {
       config {
         image   = var.image
         command = "python"
-        args    = ["-m", "services.gateway"]
+        args    = ["-m", "specmesh.services.gateway"]
         ports   = ["http"]
       }
 
@@ -247,7 +247,7 @@ job "specmesh" {
       config {
         image   = var.image
         command = "python"
-        args    = ["-m", "services.tokenizer"]
+        args    = ["-m", "specmesh.services.tokenizer"]
         ports   = ["metrics"]
       }
 
@@ -324,7 +324,7 @@ job "specmesh" {
       config {
         image   = var.gpu_image
         command = "python"
-        args    = ["-m", "services.prefill"]
+        args    = ["-m", "specmesh.services.prefill"]
         ports   = ["metrics", "kv"]
 
         network_mode = "host"
@@ -429,7 +429,7 @@ job "specmesh" {
       config {
         image   = var.gpu_image
         command = "python"
-        args    = ["-m", "services.decode"]
+        args    = ["-m", "specmesh.services.decode"]
         ports   = ["metrics"]
       }
 
@@ -530,7 +530,7 @@ job "specmesh" {
       config {
         image   = var.gpu_image
         command = "python"
-        args    = ["-m", "services.drafter"]
+        args    = ["-m", "specmesh.services.drafter"]
         ports   = ["metrics"]
       }
 
@@ -625,7 +625,7 @@ job "specmesh" {
       config {
         image   = var.image
         command = "python"
-        args    = ["-m", "services.learner"]
+        args    = ["-m", "specmesh.services.learner"]
         ports   = ["metrics"]
       }
 

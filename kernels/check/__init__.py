@@ -1,7 +1,7 @@
-"""`python -m kernels.check`: every Triton kernel (`kernels.triton`) against its reference,
+"""`python -m specmesh.kernels.check`: every Triton kernel (`kernels.triton`) against its reference,
 printed as a table (kernel, shape, max abs error or exact match, pass). A module here per
 kernel module holds its cases and reference; `suite` runs them all, `result` records and
-prints the outcomes, and `python -m kernels.check.compile` compiles the kernels for a GPU
+prints the outcomes, and `python -m specmesh.kernels.check.compile` compiles the kernels for a GPU
 without one.
 
 The references are the torch and Python paths the engine runs today, called as they are

@@ -1,16 +1,17 @@
-"""python -m kernels.check [--small]: exit status 1 when any kernel differs from its reference."""
+"""python -m specmesh.kernels.check [--small]: exit status 1 when any kernel differs from its
+reference."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from kernels.check.result import table
-from kernels.check.suite import device, run
+from specmesh.kernels.check.result import table
+from specmesh.kernels.check.suite import device, run
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m kernels.check", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m specmesh.kernels.check", description=__doc__)
     parser.add_argument("--small", action="store_true", help="the interpreter's shapes on a GPU")
     args = parser.parse_args()
     print(f"device: {device()}")

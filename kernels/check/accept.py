@@ -12,13 +12,12 @@ from __future__ import annotations
 import math
 
 import torch
-
-from kernels.check.result import Result
-from kernels.check.trees import choices, random_tree
-from kernels.triton import accept
-from shared.core.tree import DraftTree
-from shared.sampling.sampler import position_generator
-from shared.speculative.accept import accept_greedy, accept_sampling
+from specmesh.kernels.check.result import Result
+from specmesh.kernels.check.trees import choices, random_tree
+from specmesh.kernels.triton import accept
+from specmesh.shared.core.tree import DraftTree
+from specmesh.shared.sampling.sampler import position_generator
+from specmesh.shared.speculative.accept import accept_greedy, accept_sampling
 
 Paths = list[tuple[list[int], list[int]]]  # per tree: (accepted nodes, emitted tokens)
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-
-from kernels.check.caches import dtype_name
-from kernels.check.result import Result
-from kernels.check.trees import random_tree
-from kernels.triton.attention import paged_attention, plan_attention
-from shared.model.attention import SequenceSpan, TorchAttention
+from specmesh.kernels.check.caches import dtype_name
+from specmesh.kernels.check.result import Result
+from specmesh.kernels.check.trees import random_tree
+from specmesh.kernels.triton.attention import paged_attention, plan_attention
+from specmesh.shared.model.attention import SequenceSpan, TorchAttention
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 

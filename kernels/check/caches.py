@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-
-from shared.kvcache.kv_cache import KVCache
-from shared.model.config import ModelConfig
+from specmesh.shared.kvcache.kv_cache import KVCache
+from specmesh.shared.model.config import ModelConfig
 
 
 def make_cache(device: str, dtype: torch.dtype, small: bool, gen: torch.Generator) -> KVCache:

@@ -1,4 +1,5 @@
-"""`python -m kernels.check.compile [--arch 90]`: compile every kernel for a CUDA GPU, without one.
+"""`python -m specmesh.kernels.check.compile [--arch 90]`: compile every kernel for a CUDA GPU,
+without one.
 
 The interpreter runs a kernel as Python; Triton's compiler is stricter (globals must be
 constexprs, loop-carried values keep their type, dot operands have minimum sizes). This
@@ -14,10 +15,9 @@ import argparse
 import os
 
 import triton
+from specmesh.kernels.triton import accept, attention, kv_blocks, kv_move
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-
-from kernels.triton import accept, attention, kv_blocks, kv_move
 
 I32 = "i32"
 
@@ -67,7 +67,9 @@ def compile_all(arch: int) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m kernels.check.compile", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m specmesh.kernels.check.compile", description=__doc__
+    )
     parser.add_argument("--arch", type=int, default=90, help="compute capability (90: H100)")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") != "0":

@@ -13,13 +13,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-
-from kernels.check.caches import block_tables, dtype_name, make_cache
-from kernels.check.result import Result
-from kernels.triton.kv_blocks import blob_offsets, pack_blocks, unpack_blocks
-from shared.kvcache.exchange import KVExchange
-from shared.kvcache.kv_cache import KVCache
-from shared.transport import KVTransport
+from specmesh.kernels.check.caches import block_tables, dtype_name, make_cache
+from specmesh.kernels.check.result import Result
+from specmesh.kernels.triton.kv_blocks import blob_offsets, pack_blocks, unpack_blocks
+from specmesh.shared.kvcache.exchange import KVExchange
+from specmesh.shared.kvcache.kv_cache import KVCache
+from specmesh.shared.transport import KVTransport
 
 
 class MemoryTransport(KVTransport):

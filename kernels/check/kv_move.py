@@ -11,16 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from kernels.check.accept import greedy_on_device
-from kernels.check.caches import block_tables, dtype_name, make_cache
-from kernels.check.result import Result
-from kernels.check.trees import choices, random_tree
-from kernels.triton.accept import pad_rows
-from kernels.triton.kv_move import commit_paths
-from shared.core.tree import DraftTree
-from shared.kvcache.kv_cache import KVCache
-from shared.speculative.accept import accept_greedy
+from specmesh.kernels.check.accept import greedy_on_device
+from specmesh.kernels.check.caches import block_tables, dtype_name, make_cache
+from specmesh.kernels.check.result import Result
+from specmesh.kernels.check.trees import choices, random_tree
+from specmesh.kernels.triton.accept import pad_rows
+from specmesh.kernels.triton.kv_move import commit_paths
+from specmesh.shared.core.tree import DraftTree
+from specmesh.shared.kvcache.kv_cache import KVCache
+from specmesh.shared.speculative.accept import accept_greedy
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""One kernel's outcome against its reference, and the table `python -m kernels.check` prints."""
+"""One kernel's outcome against its reference, and the table `python -m specmesh.kernels.check`
+prints."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
-
-from kernels.check.result import Result
+from specmesh.kernels.check.result import Result
 
 
 def device() -> str:
@@ -22,7 +21,7 @@ def device() -> str:
 def run(small: bool | None = None) -> list[Result]:
     """Every check; `small` (the default without a GPU) keeps shapes to the interpreter's."""
     dev = device()
-    from kernels.check import accept, attention, kv_blocks, kv_move  # after device()
+    from specmesh.kernels.check import accept, attention, kv_blocks, kv_move  # after device()
 
     small = dev == "cpu" if small is None else small
     dtypes = [torch.float32] if dev == "cpu" else [torch.float32, torch.bfloat16]

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from shared.core.tree import DraftTree
+from specmesh.shared.core.tree import DraftTree
 
 
 def random_tree(num_nodes: int, vocab: int, gen: torch.Generator) -> DraftTree:

@@ -11,7 +11,7 @@
 
 The modules import Triton at their top, so only what chooses them imports them (the
 `--attention-backend triton` backend, when chosen; the check): CPU use never needs Triton.
-`python -m kernels.check` holds every kernel to its reference; without a GPU it runs them
+`python -m specmesh.kernels.check` holds every kernel to its reference; without a GPU it runs them
 under Triton's interpreter (`TRITON_INTERPRET=1`), which must be set before these modules are
 imported (Triton reads it when a kernel is defined).
 """

@@ -1,12 +1,12 @@
-"""scripts/cluster's command line (`python -m services.cluster_harness`)."""
+"""scripts/cluster's command line (`python -m specmesh.services.cluster_harness`)."""
 
 from __future__ import annotations
 
 import argparse
 
-from services.cluster_harness import commands, netns
-from services.cluster_harness.errors import ClusterError
-from services.cluster_harness.topology import all_hosts
+from specmesh.services.cluster_harness import commands, netns
+from specmesh.services.cluster_harness.errors import ClusterError
+from specmesh.services.cluster_harness.topology import all_hosts
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -8,25 +8,30 @@ import socket
 import sys
 import time
 
-from services.cluster_harness import netns, state
-from services.cluster_harness.errors import ClusterError
-from services.cluster_harness.launch import (
+from specmesh.services.cluster_harness import netns, state
+from specmesh.services.cluster_harness.errors import ClusterError
+from specmesh.services.cluster_harness.launch import (
     Settings,
     nats_process,
     service_processes,
     valkey_process,
 )
-from services.cluster_harness.processes import Process, stop_all
-from services.cluster_harness.readiness import (
+from specmesh.services.cluster_harness.processes import Process, stop_all
+from specmesh.services.cluster_harness.readiness import (
     gateway_url,
     http_json,
     http_ok,
     wait_serving,
     wait_until,
 )
-from services.cluster_harness.state import STATE_DIR, ClusterState, HostState
-from services.cluster_harness.topology import BRIDGE, GATEWAY_PORT, NATS_MONITOR_PORT, all_hosts
-from shared.protocol import SERVICE_USERS
+from specmesh.services.cluster_harness.state import STATE_DIR, ClusterState, HostState
+from specmesh.services.cluster_harness.topology import (
+    BRIDGE,
+    GATEWAY_PORT,
+    NATS_MONITOR_PORT,
+    all_hosts,
+)
+from specmesh.shared.protocol import SERVICE_USERS
 
 SERVICES_TIMEOUT_S = 600  # model loads on a machine the hosts share, after a first fetch
 SERVERS_TIMEOUT_S = 30
@@ -64,9 +69,9 @@ def up(port: int | None, shape: netns.LinkShape, settings: Settings) -> None:
 
 def settings(model: str | None, algorithm: str, kv_transport: str) -> Settings:
     """What every service host is started with; a bad option fails here."""
-    from shared.model.fetch import resolve_model
-    from shared.speculative.config import SpeculativeConfig
-    from shared.speculative.factory import drafter_target_features
+    from specmesh.shared.model.fetch import resolve_model
+    from specmesh.shared.speculative.config import SpeculativeConfig
+    from specmesh.shared.speculative.factory import drafter_target_features
 
     path = str(resolve_model(model))  # fetched once here, not per host
     # a bad algorithm or draft head fails here, before any host starts
@@ -127,7 +132,7 @@ def _instances(cluster: ClusterState) -> object:
 
 def _start_forwarder(cluster: ClusterState) -> None:
     gateway = cluster.host("gateway")
-    forward = [sys.executable, "-m", "services.cluster_harness.forward"]
+    forward = [sys.executable, "-m", "specmesh.services.cluster_harness.forward"]
     argv = [*forward, str(cluster.local_port), gateway.address, str(GATEWAY_PORT)]
     log = state.host_dir("forwarder") / "output.log"
     cluster.forwarder = Process(argv, {}, log=str(log), cwd=str(STATE_DIR))

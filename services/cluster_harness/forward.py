@@ -2,7 +2,7 @@
 a TCP forwarder to its address on the bridge. Loopback is private to each namespace, so
 no address of the gateway's own namespace can be 127.0.0.1 here.
 
-    python -m services.cluster_harness.forward LISTEN_PORT TARGET_HOST TARGET_PORT
+    python -m specmesh.services.cluster_harness.forward LISTEN_PORT TARGET_HOST TARGET_PORT
 """
 
 from __future__ import annotations

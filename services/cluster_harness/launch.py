@@ -9,9 +9,9 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 
-from services.cluster_harness.processes import Process
-from services.cluster_harness.state import ClusterState, HostState, host_dir
-from services.cluster_harness.topology import (
+from specmesh.services.cluster_harness.processes import Process
+from specmesh.services.cluster_harness.state import ClusterState, HostState, host_dir
+from specmesh.services.cluster_harness.topology import (
     GATEWAY_PORT,
     METRICS_PORT,
     NATS_CLUSTER_PORT,
@@ -21,10 +21,10 @@ from services.cluster_harness.topology import (
     nats_urls_for,
     valkey_url,
 )
-from shared.config import dataclass_argv
-from shared.cores import plan_cores
-from shared.infra import nats_server_argv, valkey_server_argv
-from shared.protocol import nats_users
+from specmesh.shared.config import dataclass_argv
+from specmesh.shared.cores import plan_cores
+from specmesh.shared.infra import nats_server_argv, valkey_server_argv
+from specmesh.shared.protocol import nats_users
 
 # kinds that hold K/V or draft for it: they take the speculation and KV transport options
 _SPECULATING = ("prefill", "decode", "drafter")
@@ -84,7 +84,7 @@ def service_processes(state: ClusterState, settings: Settings) -> dict[str, Proc
     processes = {}
     for index, host in enumerate(services):
         kind = host.role
-        argv = [sys.executable, "-m", f"services.{kind}", "--instance-id", host.name]
+        argv = [sys.executable, "-m", f"specmesh.services.{kind}", "--instance-id", host.name]
         argv += ["--nats-url", nats_urls_for(index, nodes), "--nats-user", kind]
         argv += ["--model", settings.model]
         env = {**passed, "PYTHONUNBUFFERED": "1"}

@@ -9,8 +9,14 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from services.cluster_harness.errors import ClusterError
-from services.cluster_harness.topology import BRIDGE, PREFIX, PREFIX_LEN, ROOT_ADDRESS, Host
+from specmesh.services.cluster_harness.errors import ClusterError
+from specmesh.services.cluster_harness.topology import (
+    BRIDGE,
+    PREFIX,
+    PREFIX_LEN,
+    ROOT_ADDRESS,
+    Host,
+)
 
 
 def _run(argv: list[str]) -> str:

@@ -7,16 +7,16 @@ import time
 import urllib.request
 from collections.abc import Callable
 
-from services.cluster_harness.errors import ClusterError
-from services.cluster_harness.state import STATE_DIR, ClusterState, HostState
-from services.cluster_harness.topology import (
+from specmesh.services.cluster_harness.errors import ClusterError
+from specmesh.services.cluster_harness.state import STATE_DIR, ClusterState, HostState
+from specmesh.services.cluster_harness.topology import (
     GATEWAY_PORT,
     METRICS_PORT,
     NATS_NODES,
     nats_url,
     valkey_url,
 )
-from shared.infra import nats_routed, valkey_pid
+from specmesh.shared.infra import nats_routed, valkey_pid
 
 _POLL_S = 0.5
 _HTTP_TIMEOUT_S = 10  # a host starting beside others on few cores answers late

@@ -7,10 +7,9 @@ import shutil
 from pathlib import Path
 
 import msgspec
-
-from services.cluster_harness.errors import ClusterError
-from services.cluster_harness.processes import Process
-from services.cluster_harness.topology import Host
+from specmesh.services.cluster_harness.errors import ClusterError
+from specmesh.services.cluster_harness.processes import Process
+from specmesh.services.cluster_harness.topology import Host
 
 STATE_DIR = Path("/run/specmesh-cluster")
 _STATE_FILE = STATE_DIR / "state.json"

@@ -1,12 +1,12 @@
-"""scripts/compose-local's command line (`python -m services.compose_local`)."""
+"""scripts/compose-local's command line (`python -m specmesh.services.compose_local`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from services.compose_local import stack
-from services.compose_local.docker import DockerError
+from specmesh.services.compose_local import stack
+from specmesh.services.compose_local.docker import DockerError
 
 
 def _parser() -> argparse.ArgumentParser:

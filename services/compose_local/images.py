@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.compose_local.docker import docker, image_exists, run
+from specmesh.services.compose_local.docker import docker, image_exists, run
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL_DEPLOY = ROOT / "deploy" / "local"

@@ -11,8 +11,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from services.compose_local.docker import compose_binary, docker, ensure_docker, inspect, run
-from services.compose_local.images import PROJECT_IMAGE, ROOT, build_all, our_images
+from specmesh.services.compose_local.docker import (
+    compose_binary,
+    docker,
+    ensure_docker,
+    inspect,
+    run,
+)
+from specmesh.services.compose_local.images import PROJECT_IMAGE, ROOT, build_all, our_images
 
 PROJECT = "specmesh"  # docker-compose.yml's `name`
 PROJECT_LABEL = f"label=com.docker.compose.project={PROJECT}"

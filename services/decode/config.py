@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config import option
+from specmesh.shared.config import option
 
 
 @dataclass

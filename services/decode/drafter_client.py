@@ -14,10 +14,9 @@ from concurrent.futures import Future
 
 import numpy as np
 from opentelemetry.context import Context
-
-from shared.bus import Bus
-from shared.core.tree import DraftTree
-from shared.protocol import (
+from specmesh.shared.bus import Bus
+from specmesh.shared.core.tree import DraftTree
+from specmesh.shared.protocol import (
     DraftClose,
     DraftItem,
     DraftOpen,
@@ -26,7 +25,7 @@ from shared.protocol import (
     DraftTreeMsg,
     drafter_subject,
 )
-from shared.speculative.drafter import DraftRequest
+from specmesh.shared.speculative.drafter import DraftRequest
 
 log = logging.getLogger(__name__)
 

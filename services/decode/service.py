@@ -20,21 +20,20 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 
 from opentelemetry import context as otel_context
-
-from services.decode.config import DecodeConfig
-from services.decode.drafter_client import DrafterClient
-from shared.bus import Outbox
-from shared.config import model_name_of
-from shared.core.sequence import RemotePrefix
-from shared.core.spec_stats import SpecStats
-from shared.engine.async_engine import AsyncEngine
-from shared.engine.engine import EngineConfig, FirstToken, LLMEngine, TokenOutput
-from shared.kvcache.events import CacheEventLog
-from shared.kvcache.exchange import KVExchange, kv_description, model_fingerprint
-from shared.model.config import ModelConfig
-from shared.model.fetch import resolve_model
-from shared.multimodal.wire import images_from_wire
-from shared.protocol import (
+from specmesh.services.decode.config import DecodeConfig
+from specmesh.services.decode.drafter_client import DrafterClient
+from specmesh.shared.bus import Outbox
+from specmesh.shared.config import model_name_of
+from specmesh.shared.core.sequence import RemotePrefix
+from specmesh.shared.core.spec_stats import SpecStats
+from specmesh.shared.engine.async_engine import AsyncEngine
+from specmesh.shared.engine.engine import EngineConfig, FirstToken, LLMEngine, TokenOutput
+from specmesh.shared.kvcache.events import CacheEventLog
+from specmesh.shared.kvcache.exchange import KVExchange, kv_description, model_fingerprint
+from specmesh.shared.model.config import ModelConfig
+from specmesh.shared.model.fetch import resolve_model
+from specmesh.shared.multimodal.wire import images_from_wire
+from specmesh.shared.protocol import (
     ABORT,
     CACHE_EVENTS,
     Abort,
@@ -52,10 +51,10 @@ from shared.protocol import (
     decode_subject,
     gateway_subject,
 )
-from shared.service import EngineService, ServiceConfig
-from shared.speculative.config import SpeculativeConfig
-from shared.speculative.factory import drafter_target_features
-from shared.telemetry import (
+from specmesh.shared.service import EngineService, ServiceConfig
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.speculative.factory import drafter_target_features
+from specmesh.shared.telemetry import (
     ACTIVE_REQUESTS,
     DRAFT_WAIT_SECONDS,
     SPEC_ACCEPT_LENGTH,
@@ -65,7 +64,7 @@ from shared.telemetry import (
     SPEC_VERIFY_STEPS,
     VERIFY_SECONDS,
 )
-from shared.transport import TransportConfig
+from specmesh.shared.transport import TransportConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
-from services.drafter.config import DrafterConfig
-from services.drafter.service import DrafterService
-from shared.service import service_main
-from shared.speculative.config import SpeculativeConfig
-from shared.transport import TransportConfig
+from specmesh.services.drafter.config import DrafterConfig
+from specmesh.services.drafter.service import DrafterService
+from specmesh.shared.service import service_main
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.transport import TransportConfig
 
 service_main(DrafterService, [DrafterConfig, SpeculativeConfig, TransportConfig])

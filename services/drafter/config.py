@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config import device_option, dtype_option, model_option
+from specmesh.shared.config import device_option, dtype_option, model_option
 
 
 @dataclass

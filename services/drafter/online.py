@@ -20,12 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from shared.protocol import DraftItem, HeadRefused, HeadVersion, ServedExample, VersionAcceptance
-from shared.speculative.eagle import EagleDrafter, EagleHead
-from shared.speculative.head_blob import write_head
-from shared.telemetry import HEAD_REFUSALS, HEAD_SWAPS, ONLINE_HEAD_VERSION
-from shared.transport.base import KVTransport
+from specmesh.shared.protocol import (
+    DraftItem,
+    HeadRefused,
+    HeadVersion,
+    ServedExample,
+    VersionAcceptance,
+)
+from specmesh.shared.speculative.eagle import EagleDrafter, EagleHead
+from specmesh.shared.speculative.head_blob import write_head
+from specmesh.shared.telemetry import HEAD_REFUSALS, HEAD_SWAPS, ONLINE_HEAD_VERSION
+from specmesh.shared.transport.base import KVTransport
 
 log = logging.getLogger(__name__)
 

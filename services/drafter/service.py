@@ -16,14 +16,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-
-from services.drafter.config import DrafterConfig
-from services.drafter.online import OnlineDrafting
-from shared.config import resolve_device, resolve_dtype
-from shared.core.tree import DraftTree
-from shared.model.fetch import resolve_model
-from shared.model.loader import load_model
-from shared.protocol import (
+from specmesh.services.drafter.config import DrafterConfig
+from specmesh.services.drafter.online import OnlineDrafting
+from specmesh.shared.config import resolve_device, resolve_dtype
+from specmesh.shared.core.tree import DraftTree
+from specmesh.shared.model.fetch import resolve_model
+from specmesh.shared.model.loader import load_model
+from specmesh.shared.protocol import (
     ABORT,
     HEAD_REFUSED,
     HEAD_VERSION,
@@ -40,13 +39,13 @@ from shared.protocol import (
     Heartbeat,
     drafter_subject,
 )
-from shared.service import Service, ServiceConfig
-from shared.speculative.config import SpeculativeConfig
-from shared.speculative.drafter import DraftRequest
-from shared.speculative.eagle import EagleDrafter
-from shared.speculative.factory import make_drafter
-from shared.telemetry import ACTIVE_REQUESTS, DRAFT_SECONDS
-from shared.transport import TransportConfig
+from specmesh.shared.service import Service, ServiceConfig
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.speculative.drafter import DraftRequest
+from specmesh.shared.speculative.eagle import EagleDrafter
+from specmesh.shared.speculative.factory import make_drafter
+from specmesh.shared.telemetry import ACTIVE_REQUESTS, DRAFT_SECONDS
+from specmesh.shared.transport import TransportConfig
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -21,21 +21,20 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from specmesh.services.gateway.access import AccessLog
+from specmesh.services.gateway.chat import chat_routes
+from specmesh.services.gateway.cluster import Cluster
+from specmesh.services.gateway.completions import completion_routes
+from specmesh.services.gateway.config import GatewayConfig
+from specmesh.services.gateway.errors import APIError, error_response
+from specmesh.services.gateway.native import native_routes
+from specmesh.services.gateway.responses import response_routes
+from specmesh.shared.config import DEFAULT_MODEL_NAME, default_model_dir
+from specmesh.shared.parsers.reasoning import make_reasoning_parser
+from specmesh.shared.parsers.tools import make_tool_parser, tool_parser_for_template
+from specmesh.shared.tokenizer import read_chat_template
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from services.gateway.access import AccessLog
-from services.gateway.chat import chat_routes
-from services.gateway.cluster import Cluster
-from services.gateway.completions import completion_routes
-from services.gateway.config import GatewayConfig
-from services.gateway.errors import APIError, error_response
-from services.gateway.native import native_routes
-from services.gateway.responses import response_routes
-from shared.config import DEFAULT_MODEL_NAME, default_model_dir
-from shared.parsers.reasoning import make_reasoning_parser
-from shared.parsers.tools import make_tool_parser, tool_parser_for_template
-from shared.tokenizer import read_chat_template
 
 log = logging.getLogger(__name__)
 

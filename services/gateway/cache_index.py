@@ -13,9 +13,9 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 
-from shared.bus import Bus, BusError
-from shared.kvcache.block_manager import block_hash
-from shared.protocol import (
+from specmesh.shared.bus import Bus, BusError
+from specmesh.shared.kvcache.block_manager import block_hash
+from specmesh.shared.protocol import (
     CACHE_EVENTS,
     CacheEvents,
     CacheSnapshot,

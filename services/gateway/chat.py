@@ -14,10 +14,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-
-from services.gateway.cluster import Cluster, Generation
-from services.gateway.errors import APIError
-from services.gateway.respond import (
+from specmesh.services.gateway.cluster import Cluster, Generation
+from specmesh.services.gateway.errors import APIError
+from specmesh.services.gateway.respond import (
     choice_params,
     events,
     include_usage,
@@ -28,13 +27,13 @@ from services.gateway.respond import (
     start,
     usage,
 )
-from services.gateway.schema import ChatCompletionRequest, NamedToolChoice
-from shared.core.spec_stats import SpecStats
-from shared.multimodal.data_url import image_bytes
-from shared.parsers.reasoning import ReasoningParser
-from shared.parsers.tools import ToolCall, ToolParser
-from shared.protocol import TextDelta, TokenizeRequest
-from shared.sampling.params import SamplingParams
+from specmesh.services.gateway.schema import ChatCompletionRequest, NamedToolChoice
+from specmesh.shared.core.spec_stats import SpecStats
+from specmesh.shared.multimodal.data_url import image_bytes
+from specmesh.shared.parsers.reasoning import ReasoningParser
+from specmesh.shared.parsers.tools import ToolCall, ToolParser
+from specmesh.shared.protocol import TextDelta, TokenizeRequest
+from specmesh.shared.sampling.params import SamplingParams
 
 
 class ChatPlan:

@@ -20,12 +20,12 @@ from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.cache_index import CacheIndex
-from services.gateway.config import GatewayConfig
-from services.gateway.router import DEFAULT_BLOCK_SIZE, Candidate, best, computes_locally
-from shared.bus import Bus, BusError, NoResponders
-from shared.core.spec_stats import SpecStats
-from shared.protocol import (
+from specmesh.services.gateway.cache_index import CacheIndex
+from specmesh.services.gateway.config import GatewayConfig
+from specmesh.services.gateway.router import DEFAULT_BLOCK_SIZE, Candidate, best, computes_locally
+from specmesh.shared.bus import Bus, BusError, NoResponders
+from specmesh.shared.core.spec_stats import SpecStats
+from specmesh.shared.protocol import (
     ABORT,
     HEARTBEAT,
     PREFILL,
@@ -48,8 +48,8 @@ from shared.protocol import (
     gateway_subject,
     resume_subject,
 )
-from shared.sampling.params import SamplingParams
-from shared.telemetry import (
+from specmesh.shared.sampling.params import SamplingParams
+from specmesh.shared.telemetry import (
     E2E,
     GENERATION_TOKENS,
     INSTANCES,

@@ -8,9 +8,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-
-from services.gateway.cluster import Cluster, Generation
-from services.gateway.respond import (
+from specmesh.services.gateway.cluster import Cluster, Generation
+from specmesh.services.gateway.respond import (
     choice_params,
     events,
     include_usage,
@@ -20,9 +19,9 @@ from services.gateway.respond import (
     start,
     usage,
 )
-from services.gateway.schema import CompletionRequest
-from shared.core.spec_stats import SpecStats
-from shared.protocol import TextDelta, TokenizeRequest
+from specmesh.services.gateway.schema import CompletionRequest
+from specmesh.shared.core.spec_stats import SpecStats
+from specmesh.shared.protocol import TextDelta, TokenizeRequest
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 

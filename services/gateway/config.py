@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config import model_name_of, model_option, option, secret_option
-from shared.parsers.reasoning import REASONING_PARSERS
-from shared.parsers.tools import TOOL_PARSERS
+from specmesh.shared.config import model_name_of, model_option, option, secret_option
+from specmesh.shared.parsers.reasoning import REASONING_PARSERS
+from specmesh.shared.parsers.tools import TOOL_PARSERS
 
 ROUTER_POLICIES = ("load", "kv-aware")  # services/gateway/router.py
 

@@ -14,12 +14,11 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from services.gateway.cluster import Cluster, Generation, Placement
-from services.gateway.completions import tokenize_request
-from services.gateway.errors import APIError, error_body
-from services.gateway.respond import choice_params, raise_if_failed, respond, sse, start
-from services.gateway.schema import (
+from specmesh.services.gateway.cluster import Cluster, Generation, Placement
+from specmesh.services.gateway.completions import tokenize_request
+from specmesh.services.gateway.errors import APIError, error_body
+from specmesh.services.gateway.respond import choice_params, raise_if_failed, respond, sse, start
+from specmesh.services.gateway.schema import (
     INT64,
     MAX_CHOICES,
     Body,
@@ -31,9 +30,9 @@ from services.gateway.schema import (
     TokenId,
     TopP,
 )
-from shared.bus import BusError
-from shared.core.spec_stats import SpecStats
-from shared.protocol import (
+from specmesh.shared.bus import BusError
+from specmesh.shared.core.spec_stats import SpecStats
+from specmesh.shared.protocol import (
     DECODE,
     ENCODE,
     CacheFlushed,
@@ -48,7 +47,7 @@ from shared.protocol import (
     TokenLogprob,
     flush_subject,
 )
-from shared.sampling.params import (
+from specmesh.shared.sampling.params import (
     INT32_MAX,
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,

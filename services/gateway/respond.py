@@ -13,14 +13,19 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import trace
-
-from services.gateway.cluster import Cluster, Generation, Overloaded, Placement, Unavailable
-from services.gateway.errors import APIError, error_body
-from services.gateway.schema import GenerationRequest
-from shared.bus import BusError
-from shared.core.spec_stats import SpecStats
-from shared.protocol import ProtocolError, RemoteError, TextDelta, TokenLogprob
-from shared.sampling.params import SamplingParams
+from specmesh.services.gateway.cluster import (
+    Cluster,
+    Generation,
+    Overloaded,
+    Placement,
+    Unavailable,
+)
+from specmesh.services.gateway.errors import APIError, error_body
+from specmesh.services.gateway.schema import GenerationRequest
+from specmesh.shared.bus import BusError
+from specmesh.shared.core.spec_stats import SpecStats
+from specmesh.shared.protocol import ProtocolError, RemoteError, TextDelta, TokenLogprob
+from specmesh.shared.sampling.params import SamplingParams
 
 tracer = trace.get_tracer("specmesh.gateway")
 

@@ -23,12 +23,11 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import Discriminator, Field, Tag, ValidationError, field_validator
-
-from services.gateway.chat import ChatChoice, ChatPlan
-from services.gateway.cluster import Cluster, Generation
-from services.gateway.errors import APIError
-from services.gateway.respond import respond, spec_metrics, start, usage
-from services.gateway.schema import (
+from specmesh.services.gateway.chat import ChatChoice, ChatPlan
+from specmesh.services.gateway.cluster import Cluster, Generation
+from specmesh.services.gateway.errors import APIError
+from specmesh.services.gateway.respond import respond, spec_metrics, start, usage
+from specmesh.services.gateway.schema import (
     Body,
     ChatCompletionRequest,
     ReasoningEffort,
@@ -36,9 +35,9 @@ from services.gateway.schema import (
     TokenCount,
     TopP,
 )
-from shared.parsers.reasoning import ReasoningParser
-from shared.parsers.tools import ToolParser
-from shared.sampling.params import SamplingParams
+from specmesh.shared.parsers.reasoning import ReasoningParser
+from specmesh.shared.parsers.tools import ToolParser
+from specmesh.shared.sampling.params import SamplingParams
 
 ROUTE = "/v1/responses"
 TEXT_PARTS = frozenset({"input_text", "output_text"})

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.gateway.config import GatewayConfig
+from specmesh.services.gateway.config import GatewayConfig
 
 DEFAULT_BLOCK_SIZE = 16  # for a worker not heard from yet: used in the cost only
 

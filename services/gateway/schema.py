@@ -8,9 +8,8 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-from shared.multimodal.data_url import IMAGE_PLACEHOLDER
-from shared.sampling.params import (
+from specmesh.shared.multimodal.data_url import IMAGE_PLACEHOLDER
+from specmesh.shared.sampling.params import (
     INT32_MAX,
     MAX_LOGPROBS,
     MAX_STOP_CHARS,

@@ -9,14 +9,13 @@ from collections.abc import Iterator
 
 import h11
 import uvicorn
+from specmesh.services.gateway.app import build_app
+from specmesh.services.gateway.cluster import Cluster
+from specmesh.services.gateway.config import GatewayConfig
+from specmesh.shared.protocol import Heartbeat
+from specmesh.shared.service import Service, ServiceConfig
+from specmesh.shared.telemetry import ACTIVE_REQUESTS
 from uvicorn.protocols.http.h11_impl import H11Protocol
-
-from services.gateway.app import build_app
-from services.gateway.cluster import Cluster
-from services.gateway.config import GatewayConfig
-from shared.protocol import Heartbeat
-from shared.service import Service, ServiceConfig
-from shared.telemetry import ACTIVE_REQUESTS
 
 log = logging.getLogger(__name__)
 

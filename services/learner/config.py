@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.config import device_option, model_option, option
+from specmesh.shared.config import device_option, model_option, option
 
 DEFAULT_ONLINE_DIR = Path.home() / ".cache" / "specmesh" / "online"
 

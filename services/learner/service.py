@@ -24,13 +24,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from services.learner.config import LearnerConfig, OnlineLearningConfig
-from services.learner.versions import HeadVersions
-from shared.config import resolve_device
-from shared.model.fetch import resolve_model
-from shared.model.loader import load_model
-from shared.protocol import (
+from specmesh.services.learner.config import LearnerConfig, OnlineLearningConfig
+from specmesh.services.learner.versions import HeadVersions
+from specmesh.shared.config import resolve_device
+from specmesh.shared.model.fetch import resolve_model
+from specmesh.shared.model.loader import load_model
+from specmesh.shared.protocol import (
     HEAD_REFUSED,
     HEAD_VERSION,
     LEARN_EXAMPLES,
@@ -38,10 +37,10 @@ from shared.protocol import (
     Heartbeat,
     ServedExample,
 )
-from shared.service import Service, ServiceConfig
-from shared.speculative.config import ONLINE_ALGORITHMS, SpeculativeConfig
-from shared.speculative.eagle import EagleHead, HeadSpec, load_head, save_head, save_mtp
-from shared.telemetry import (
+from specmesh.shared.service import Service, ServiceConfig
+from specmesh.shared.speculative.config import ONLINE_ALGORITHMS, SpeculativeConfig
+from specmesh.shared.speculative.eagle import EagleHead, HeadSpec, load_head, save_head, save_mtp
+from specmesh.shared.telemetry import (
     EXAMPLES_BUFFERED,
     HELDOUT_ACCEPTANCE,
     LIVE_ACCEPTANCE,
@@ -50,8 +49,8 @@ from shared.telemetry import (
     ROLLBACKS,
     TRAIN_STEPS,
 )
-from shared.training.online import OnlineOptions, OnlineTrainer
-from shared.transport import TransportConfig
+from specmesh.shared.training.online import OnlineOptions, OnlineTrainer
+from specmesh.shared.transport import TransportConfig
 
 log = logging.getLogger(__name__)
 

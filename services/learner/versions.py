@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from shared.protocol import HeadVersion
-from shared.speculative.head_blob import CONFIG, WEIGHTS, blob_sha256, head_key
-from shared.transport.base import KVTransport
+from specmesh.shared.protocol import HeadVersion
+from specmesh.shared.speculative.head_blob import CONFIG, WEIGHTS, blob_sha256, head_key
+from specmesh.shared.transport.base import KVTransport
 
 STORE_TTL_S = 24 * 3600.0  # a blob outlives any learner outage short of a day
 

@@ -14,16 +14,20 @@ import dataclasses
 import logging
 
 import torch
-
-from services.prefill.config import PrefillConfig
-from shared.config import model_name_of
-from shared.core.sequence import RemotePrefix, Sequence
-from shared.engine.async_engine import AsyncEngine
-from shared.engine.engine import EngineConfig, LLMEngine
-from shared.kvcache.exchange import KVExchange, feature_tag, kv_description, model_fingerprint
-from shared.model.fetch import resolve_model
-from shared.multimodal.wire import images_from_wire
-from shared.protocol import (
+from specmesh.services.prefill.config import PrefillConfig
+from specmesh.shared.config import model_name_of
+from specmesh.shared.core.sequence import RemotePrefix, Sequence
+from specmesh.shared.engine.async_engine import AsyncEngine
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine
+from specmesh.shared.kvcache.exchange import (
+    KVExchange,
+    feature_tag,
+    kv_description,
+    model_fingerprint,
+)
+from specmesh.shared.model.fetch import resolve_model
+from specmesh.shared.multimodal.wire import images_from_wire
+from specmesh.shared.protocol import (
     ABORT,
     PREFILL,
     Abort,
@@ -32,16 +36,16 @@ from shared.protocol import (
     PrefillRequest,
     RemoteError,
 )
-from shared.runner.images import place_images
-from shared.service import EngineService, ServiceConfig
-from shared.speculative.config import SpeculativeConfig
-from shared.speculative.factory import drafter_target_features
-from shared.telemetry import (
+from specmesh.shared.runner.images import place_images
+from specmesh.shared.service import EngineService, ServiceConfig
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.speculative.factory import drafter_target_features
+from specmesh.shared.telemetry import (
     ACTIVE_REQUESTS,
     CACHE_HIT_RATE,
     PREFILL_TOKENS,
 )
-from shared.transport import KVTransport, TransportConfig
+from specmesh.shared.transport import KVTransport, TransportConfig
 
 log = logging.getLogger(__name__)
 

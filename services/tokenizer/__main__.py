@@ -1,5 +1,5 @@
-from services.tokenizer.config import TokenizerConfig
-from services.tokenizer.service import TokenizerService
-from shared.service import service_main
+from specmesh.services.tokenizer.config import TokenizerConfig
+from specmesh.services.tokenizer.service import TokenizerService
+from specmesh.shared.service import service_main
 
 service_main(TokenizerService, [TokenizerConfig])

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.config import model_option, option
-from shared.multimodal.preprocess import DEFAULT_MAX_IMAGE_PIXELS
+from specmesh.shared.config import model_option, option
+from specmesh.shared.multimodal.preprocess import DEFAULT_MAX_IMAGE_PIXELS
 
 
 @dataclass

@@ -12,13 +12,13 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.tokenizer.config import TokenizerConfig
-from shared.bus import Outbox
-from shared.model.fetch import resolve_model
-from shared.multimodal.prompt import ImagePrompts
-from shared.multimodal.wire import to_wire
-from shared.parsers.tools import ToolParser, make_tool_parser
-from shared.protocol import (
+from specmesh.services.tokenizer.config import TokenizerConfig
+from specmesh.shared.bus import Outbox
+from specmesh.shared.model.fetch import resolve_model
+from specmesh.shared.multimodal.prompt import ImagePrompts
+from specmesh.shared.multimodal.wire import to_wire
+from specmesh.shared.parsers.tools import ToolParser, make_tool_parser
+from specmesh.shared.protocol import (
     ABORT,
     DECODE,
     ENCODE,
@@ -41,9 +41,9 @@ from shared.protocol import (
     gateway_subject,
     resume_subject,
 )
-from shared.service import Service, ServiceConfig
-from shared.telemetry import ACTIVE_REQUESTS
-from shared.tokenizer import TextStream, Tokenizer
+from specmesh.shared.service import Service, ServiceConfig
+from specmesh.shared.telemetry import ACTIVE_REQUESTS
+from specmesh.shared.tokenizer import TextStream, Tokenizer
 
 
 @dataclass

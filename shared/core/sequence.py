@@ -6,11 +6,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shared.core.images import PromptImages
-from shared.sampling.params import SamplingParams
+from specmesh.shared.core.images import PromptImages
+from specmesh.shared.sampling.params import SamplingParams
 
 if TYPE_CHECKING:  # the grammar module builds on core types
-    from shared.sampling.grammar import GrammarMatcher
+    from specmesh.shared.sampling.grammar import GrammarMatcher
 
 
 @dataclass

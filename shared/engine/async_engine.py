@@ -17,10 +17,10 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Future
 from typing import TypeVar
 
-from shared.core.images import PromptImage
-from shared.core.sequence import RemotePrefix
-from shared.engine.engine import FirstToken, LLMEngine, TokenOutput
-from shared.sampling.params import SamplingParams
+from specmesh.shared.core.images import PromptImage
+from specmesh.shared.core.sequence import RemotePrefix
+from specmesh.shared.engine.engine import FirstToken, LLMEngine, TokenOutput
+from specmesh.shared.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from shared.config import (
+from specmesh.shared.config import (
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     device_option,
@@ -23,27 +22,27 @@ from shared.config import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
-from shared.core.images import PromptImage
-from shared.core.sequence import RemotePrefix, Sequence, SequenceStatus
-from shared.core.spec_stats import SpecStats
-from shared.core.tree import DraftTree
-from shared.engine.scheduler import SCHEDULE_POLICIES, Scheduler
-from shared.engine.speculation import PendingDrafts, Speculator, StepCosts
-from shared.kvcache.block_manager import BlockManager
-from shared.kvcache.exchange import KVExchange, feature_tag
-from shared.kvcache.kv_cache import KVCache, blocks_for_mem_fraction
-from shared.model.attention import ATTENTION_BACKENDS
-from shared.model.config import ModelConfig
-from shared.model.loader import load_model
-from shared.runner.cuda_graph import decode_graphs
-from shared.runner.images import place_images
-from shared.runner.model_runner import ModelRunner
-from shared.sampling.grammar import GrammarCompiler
-from shared.sampling.grammar_worker import COMPILE_TIMEOUT_S
-from shared.sampling.params import SamplingParams
-from shared.speculative.config import SpeculativeConfig
-from shared.speculative.drafter import Drafter
-from shared.speculative.factory import make_drafter
+from specmesh.shared.core.images import PromptImage
+from specmesh.shared.core.sequence import RemotePrefix, Sequence, SequenceStatus
+from specmesh.shared.core.spec_stats import SpecStats
+from specmesh.shared.core.tree import DraftTree
+from specmesh.shared.engine.scheduler import SCHEDULE_POLICIES, Scheduler
+from specmesh.shared.engine.speculation import PendingDrafts, Speculator, StepCosts
+from specmesh.shared.kvcache.block_manager import BlockManager
+from specmesh.shared.kvcache.exchange import KVExchange, feature_tag
+from specmesh.shared.kvcache.kv_cache import KVCache, blocks_for_mem_fraction
+from specmesh.shared.model.attention import ATTENTION_BACKENDS
+from specmesh.shared.model.config import ModelConfig
+from specmesh.shared.model.loader import load_model
+from specmesh.shared.runner.cuda_graph import decode_graphs
+from specmesh.shared.runner.images import place_images
+from specmesh.shared.runner.model_runner import ModelRunner
+from specmesh.shared.sampling.grammar import GrammarCompiler
+from specmesh.shared.sampling.grammar_worker import COMPILE_TIMEOUT_S
+from specmesh.shared.sampling.params import SamplingParams
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.speculative.drafter import Drafter
+from specmesh.shared.speculative.factory import make_drafter
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from shared.core.sequence import Sequence, SequenceStatus
-from shared.kvcache.block_manager import BlockManager
+from specmesh.shared.core.sequence import Sequence, SequenceStatus
+from specmesh.shared.kvcache.block_manager import BlockManager
 
 SCHEDULE_POLICIES = ("fair", "fcfs", "lpm")
 

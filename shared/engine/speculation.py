@@ -16,18 +16,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
-
-from shared.core.sequence import Sequence, SequenceStatus
-from shared.core.spec_stats import SpecStats
-from shared.core.tree import DraftTree
-from shared.kvcache.block_manager import BlockManager
-from shared.kvcache.kv_cache import KVCache, TreeStates
-from shared.runner.logits import processed_logits, shapes_logits
-from shared.sampling.params import SamplingParams
-from shared.sampling.sampler import has_penalties, to_probs
-from shared.speculative.accept import accept_greedy, accept_sampling
-from shared.speculative.config import SpeculativeConfig
-from shared.speculative.drafter import Drafter, DraftRequest
+from specmesh.shared.core.sequence import Sequence, SequenceStatus
+from specmesh.shared.core.spec_stats import SpecStats
+from specmesh.shared.core.tree import DraftTree
+from specmesh.shared.kvcache.block_manager import BlockManager
+from specmesh.shared.kvcache.kv_cache import KVCache, TreeStates
+from specmesh.shared.runner.logits import processed_logits, shapes_logits
+from specmesh.shared.sampling.params import SamplingParams
+from specmesh.shared.sampling.sampler import has_penalties, to_probs
+from specmesh.shared.speculative.accept import accept_greedy, accept_sampling
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.speculative.drafter import Drafter, DraftRequest
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from shared.core.images import PromptImages
-from shared.core.sequence import Sequence
-from shared.kvcache.events import CacheEventLog
+from specmesh.shared.core.images import PromptImages
+from specmesh.shared.core.sequence import Sequence
+from specmesh.shared.kvcache.events import CacheEventLog
 
 
 def block_hash(tokens: list[int], prev_hash: int | None, salt: bytes = b"") -> int:

@@ -16,13 +16,12 @@ from __future__ import annotations
 import hashlib
 
 import torch
-
-from shared.core.images import PromptImages
-from shared.kvcache.block_manager import block_hash, block_salt
-from shared.kvcache.kv_cache import KVCache
-from shared.model.llama import LlamaForCausalLM
-from shared.telemetry import TRANSPORT_BYTES
-from shared.transport import KVTransport
+from specmesh.shared.core.images import PromptImages
+from specmesh.shared.kvcache.block_manager import block_hash, block_salt
+from specmesh.shared.kvcache.kv_cache import KVCache
+from specmesh.shared.model.llama import LlamaForCausalLM
+from specmesh.shared.telemetry import TRANSPORT_BYTES
+from specmesh.shared.transport import KVTransport
 
 
 def model_fingerprint(model: LlamaForCausalLM, kv_cache: KVCache) -> str:

@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from shared.model.config import ModelConfig
-from shared.model.gated_deltanet import LinearStates, snapshot_offsets
+from specmesh.shared.model.config import ModelConfig
+from specmesh.shared.model.gated_deltanet import LinearStates, snapshot_offsets
 
 
 class KVCache:

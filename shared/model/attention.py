@@ -16,8 +16,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-
-from shared.model.config import ModelConfig
+from specmesh.shared.model.config import ModelConfig
 
 
 @dataclass
@@ -216,9 +215,9 @@ def _causal_over_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> to
 # packages. GPU backends are built for one model (their plans need its heads) on one device and
 # dtype, and refuse there, at start-up, what they cannot run.
 _BACKENDS = {
-    "torch": "shared.model.attention:TorchAttention",
-    "triton": "shared.model.triton_attention:TritonAttention",
-    "flashinfer": "shared.model.flashinfer_attention:FlashInferAttention",
+    "torch": "specmesh.shared.model.attention:TorchAttention",
+    "triton": "specmesh.shared.model.triton_attention:TritonAttention",
+    "flashinfer": "specmesh.shared.model.flashinfer_attention:FlashInferAttention",
 }
 ATTENTION_BACKENDS = tuple(_BACKENDS)
 

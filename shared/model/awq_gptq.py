@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from shared.model.quantize import Q, QuantBlocks
+from specmesh.shared.model.quantize import Q, QuantBlocks
 
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # an int32's 8 nibbles, lowest first
 AWQ_ORDER = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])  # the output in each nibble of a word

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from shared.model.vision_config import VisionConfig
+from specmesh.shared.model.vision_config import VisionConfig
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",

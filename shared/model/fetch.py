@@ -27,11 +27,10 @@ from huggingface_hub import constants, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 from huggingface_hub.utils import validate_repo_id
 from safetensors.torch import save_file
+from specmesh.shared.config import DEFAULT_MODEL_WHEEL, cache_dir, default_model_dir
+from specmesh.shared.model.gguf_loader import SOURCE_GGUF, load_gguf, metadata
 from tokenizers import pre_tokenizers
 from tqdm import tqdm
-
-from shared.config import DEFAULT_MODEL_WHEEL, cache_dir, default_model_dir
-from shared.model.gguf_loader import SOURCE_GGUF, load_gguf, metadata
 
 REQUIRED_FILES = (
     "config.json",

@@ -20,10 +20,9 @@ from types import ModuleType
 from typing import Any
 
 import torch
-
-from shared.model.attention import SequenceSpan
-from shared.model.config import ModelConfig
-from shared.model.page_table import PageTable, custom_mask, page_table
+from specmesh.shared.model.attention import SequenceSpan
+from specmesh.shared.model.config import ModelConfig
+from specmesh.shared.model.page_table import PageTable, custom_mask, page_table
 
 WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended float workspace, shared by all wrappers
 

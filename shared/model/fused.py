@@ -6,11 +6,10 @@ decode rows and draft trees). Same maths as `LlamaForCausalLM.forward`."""
 from __future__ import annotations
 
 import torch
+from specmesh.shared.model.attention import SequenceSpan, context_slots
+from specmesh.shared.model.layers import Linear
+from specmesh.shared.model.llama import LlamaForCausalLM
 from torch import nn
-
-from shared.model.attention import SequenceSpan, context_slots
-from shared.model.layers import Linear
-from shared.model.llama import LlamaForCausalLM
 
 
 def _linears(layer: nn.Module) -> tuple[Linear, ...]:
@@ -69,7 +68,7 @@ class FusedDecoder:
             return None
         if any(t.dtype != torch.float32 for kv in kv_layers for t in kv):
             return None
-        from kernels.cpu import load
+        from specmesh.kernels.cpu import load
 
         kernel = load()
         return None if kernel is None else cls(kernel, model, kv_layers)

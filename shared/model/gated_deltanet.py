@@ -30,11 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from specmesh.shared.model.attention import SequenceSpan
+from specmesh.shared.model.config import ModelConfig
+from specmesh.shared.model.layers import Linear
 from torch import nn
-
-from shared.model.attention import SequenceSpan
-from shared.model.config import ModelConfig
-from shared.model.layers import Linear
 
 
 @dataclass

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from specmesh.kernels.cpu import load as load_cpu_kernels
+from specmesh.shared.model.config import ModelConfig
+from specmesh.shared.model.fp8 import fp8_linear
 from torch import nn
-
-from kernels.cpu import load as load_cpu_kernels
-from shared.model.config import ModelConfig
-from shared.model.fp8 import fp8_linear
 
 
 class Linear(nn.Linear):

@@ -13,14 +13,13 @@ launches per layer), and the loader splices checkpoint weights into them.
 from __future__ import annotations
 
 import torch
+from specmesh.shared.model.attention import AttentionBackend, AttentionMetadata
+from specmesh.shared.model.config import ModelConfig
+from specmesh.shared.model.gated_deltanet import GatedDeltaNet, LinearMetadata, LinearStates
+from specmesh.shared.model.layers import MLP, Linear, RMSNorm
+from specmesh.shared.model.moe import MoE
+from specmesh.shared.model.rope import apply_rope, rope_cos_sin
 from torch import nn
-
-from shared.model.attention import AttentionBackend, AttentionMetadata
-from shared.model.config import ModelConfig
-from shared.model.gated_deltanet import GatedDeltaNet, LinearMetadata, LinearStates
-from shared.model.layers import MLP, Linear, RMSNorm
-from shared.model.moe import MoE
-from shared.model.rope import apply_rope, rope_cos_sin
 
 
 class Attention(nn.Module):

@@ -11,23 +11,22 @@ import gguf
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-
-from shared.config import QUANTIZED_AT_LOAD
-from shared.model.attention import get_attention_backend
-from shared.model.awq_gptq import Int4Layout, int4_weights
-from shared.model.config import OFFSET_NORM_ARCHITECTURES, ModelConfig
-from shared.model.gguf_loader import (
+from specmesh.shared.config import QUANTIZED_AT_LOAD
+from specmesh.shared.model.attention import get_attention_backend
+from specmesh.shared.model.awq_gptq import Int4Layout, int4_weights
+from specmesh.shared.model.config import OFFSET_NORM_ARCHITECTURES, ModelConfig
+from specmesh.shared.model.gguf_loader import (
     HELD_BY_Q8_0,
     SOURCE_GGUF,
     as_q8_0,
     load_gguf,
     quantized_weights,
 )
-from shared.model.layers import Linear
-from shared.model.llama import LlamaForCausalLM
-from shared.model.mistral3 import Mistral3Vision
-from shared.model.mistral3 import parameter_name as mistral3_parameter_name
-from shared.model.quantize import (
+from specmesh.shared.model.layers import Linear
+from specmesh.shared.model.llama import LlamaForCausalLM
+from specmesh.shared.model.mistral3 import Mistral3Vision
+from specmesh.shared.model.mistral3 import parameter_name as mistral3_parameter_name
+from specmesh.shared.model.quantize import (
     INT4_CHECKPOINTS,
     QuantBlocks,
     quantization_config,

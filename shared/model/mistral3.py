@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from specmesh.shared.core.images import PromptImage
+from specmesh.shared.model.layers import RMSNorm
+from specmesh.shared.model.pixtral import PixtralEncoder, activation
+from specmesh.shared.model.vision_config import VisionConfig
 from torch import nn
-
-from shared.core.images import PromptImage
-from shared.model.layers import RMSNorm
-from shared.model.pixtral import PixtralEncoder, activation
-from shared.model.vision_config import VisionConfig
 
 
 class PatchMerger(nn.Module):

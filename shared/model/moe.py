@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from specmesh.shared.model.config import ModelConfig
+from specmesh.shared.model.layers import MLP
 from torch import nn
-
-from shared.model.config import ModelConfig
-from shared.model.layers import MLP
 
 
 class Experts(nn.Module):

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
-
-from shared.model.attention import SequenceSpan, context_slots
+from specmesh.shared.model.attention import SequenceSpan, context_slots
 
 
 @dataclass

@@ -11,11 +11,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from specmesh.shared.model.layers import RMSNorm
+from specmesh.shared.model.rope import apply_rope
+from specmesh.shared.model.vision_config import VisionConfig
 from torch import nn
-
-from shared.model.layers import RMSNorm
-from shared.model.rope import apply_rope
-from shared.model.vision_config import VisionConfig
 
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
 NORM_EPS = 1e-5  # Pixtral's RMSNorms, fixed (not in the config)

@@ -14,11 +14,10 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
+from specmesh.shared.config import QUANTIZATIONS
+from specmesh.shared.model.fp8 import fp8_weight
+from specmesh.shared.model.layers import Linear
 from torch import nn
-
-from shared.config import QUANTIZATIONS
-from shared.model.fp8 import fp8_weight
-from shared.model.layers import Linear
 
 Q = gguf.GGMLQuantizationType
 # Checkpoint weight name -> (uint8 [rows, row bytes] in GGUF's block layout, block type).

@@ -14,10 +14,9 @@ import dataclasses
 import os
 
 import torch
-
-from kernels.triton.attention import AttentionPlan, paged_attention, plan_attention
-from shared.model.attention import SequenceSpan
-from shared.model.config import ModelConfig
+from specmesh.kernels.triton.attention import AttentionPlan, paged_attention, plan_attention
+from specmesh.shared.model.attention import SequenceSpan
+from specmesh.shared.model.config import ModelConfig
 
 
 class TritonAttention:

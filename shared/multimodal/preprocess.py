@@ -14,8 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-
-from shared.core.images import PromptImage
+from specmesh.shared.core.images import PromptImage
 
 DEFAULT_MAX_IMAGE_PIXELS = 16_000_000  # a decoded image's width x height, before resizing
 # Pixtral's processor defaults (preprocessor_config.json overrides them).

@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shared.core.images import PromptImage
-from shared.model.vision_config import VisionConfig
-from shared.multimodal.data_url import IMAGE_PLACEHOLDER
-from shared.multimodal.preprocess import DEFAULT_MAX_IMAGE_PIXELS, ImageProcessing, image_token_ids
-from shared.tokenizer import Tokenizer
+from specmesh.shared.core.images import PromptImage
+from specmesh.shared.model.vision_config import VisionConfig
+from specmesh.shared.multimodal.data_url import IMAGE_PLACEHOLDER
+from specmesh.shared.multimodal.preprocess import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    ImageProcessing,
+    image_token_ids,
+)
+from specmesh.shared.tokenizer import Tokenizer
 
 LAYOUT_TOKENS = (IMAGE_PLACEHOLDER, "[IMG_BREAK]", "[IMG_END]")
 # The resized pixels of one prompt's images, together: they ride in one NATS message

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-
-from shared.core.images import PromptImage
-from shared.protocol import ImageData
+from specmesh.shared.core.images import PromptImage
+from specmesh.shared.protocol import ImageData
 
 
 def to_wire(image: PromptImage) -> ImageData:

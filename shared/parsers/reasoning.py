@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from shared.parsers import held_back
+from specmesh.shared.parsers import held_back
 
 # "start": the output may open the section; "opened": the section is open, though the
 # output may still repeat the start tag.

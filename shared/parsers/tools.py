@@ -17,8 +17,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from shared.parsers import held_back
-from shared.sampling.params import JSON_LAYOUT, Grammar
+from specmesh.shared.parsers import held_back
+from specmesh.shared.sampling.params import JSON_LAYOUT, Grammar
 
 
 def _new_call_id() -> str:

@@ -22,10 +22,9 @@ from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-
-from shared.kvcache.kv_cache import KVCache
-from shared.model.attention import SequenceSpan
-from shared.model.llama import LlamaForCausalLM
+from specmesh.shared.kvcache.kv_cache import KVCache
+from specmesh.shared.model.attention import SequenceSpan
+from specmesh.shared.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 

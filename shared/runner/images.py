@@ -5,10 +5,9 @@ the last image token, so a chunked prefill that splits an image encodes it once)
 from __future__ import annotations
 
 import torch
+from specmesh.shared.core.images import PromptImage, PromptImages
+from specmesh.shared.core.sequence import Sequence
 from torch import nn
-
-from shared.core.images import PromptImage, PromptImages
-from shared.core.sequence import Sequence
 
 
 def place_images(

@@ -7,8 +7,7 @@ output, so speculation accepts exactly what sampling would draw."""
 from __future__ import annotations
 
 import torch
-
-from shared.core.sequence import Sequence
+from specmesh.shared.core.sequence import Sequence
 
 
 def shapes_logits(seq: Sequence) -> bool:

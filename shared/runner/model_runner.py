@@ -6,19 +6,18 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-
-from shared.core.sequence import Sequence
-from shared.core.tree import DraftTree
-from shared.kvcache.kv_cache import KVCache, TreeStates
-from shared.model.attention import SequenceSpan, TorchAttention
-from shared.model.fused import FusedDecoder
-from shared.model.gated_deltanet import LinearMetadata
-from shared.model.layers import pack_linears
-from shared.model.llama import LlamaForCausalLM
-from shared.runner.cuda_graph import DecodeGraphs
-from shared.runner.images import step_embeds
-from shared.runner.logits import sampled_logits
-from shared.sampling.sampler import SampleOutput, Sampler, position_generator
+from specmesh.shared.core.sequence import Sequence
+from specmesh.shared.core.tree import DraftTree
+from specmesh.shared.kvcache.kv_cache import KVCache, TreeStates
+from specmesh.shared.model.attention import SequenceSpan, TorchAttention
+from specmesh.shared.model.fused import FusedDecoder
+from specmesh.shared.model.gated_deltanet import LinearMetadata
+from specmesh.shared.model.layers import pack_linears
+from specmesh.shared.model.llama import LlamaForCausalLM
+from specmesh.shared.runner.cuda_graph import DecodeGraphs
+from specmesh.shared.runner.images import step_embeds
+from specmesh.shared.runner.logits import sampled_logits
+from specmesh.shared.sampling.sampler import SampleOutput, Sampler, position_generator
 
 
 @dataclass

@@ -19,14 +19,13 @@ from pathlib import Path
 
 import llguidance as llg
 import torch
-
-from shared.sampling.grammar_worker import (
+from specmesh.shared.sampling.grammar_worker import (
     COMPILE_TIMEOUT_S,
     GrammarWorker,
     limits,
     read_tokenizer,
 )
-from shared.sampling.params import Grammar
+from specmesh.shared.sampling.params import Grammar
 
 CACHE_SIZE = 256  # grammars kept, compiled or refused
 

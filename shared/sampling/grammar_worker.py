@@ -22,8 +22,7 @@ from pathlib import Path
 
 import llguidance as llg
 from llguidance.gbnf_to_lark import gbnf_to_lark
-
-from shared.sampling.params import JSON_LAYOUT, Grammar
+from specmesh.shared.sampling.params import JSON_LAYOUT, Grammar
 
 MAX_ERROR_CHARS = 300  # of an error message; llguidance's can quote the whole grammar
 START_TIMEOUT_S = 60.0  # the child imports llguidance and reads the tokenizer once

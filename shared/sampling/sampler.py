@@ -11,8 +11,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-
-from shared.sampling.params import SamplingParams
+from specmesh.shared.sampling.params import SamplingParams
 
 
 @dataclass

@@ -20,9 +20,8 @@ number of draws from one stream would make seeded output unrepeatable).
 from __future__ import annotations
 
 import torch
-
-from shared.core.tree import DraftTree
-from shared.sampling.sampler import draw, position_generator
+from specmesh.shared.core.tree import DraftTree
+from specmesh.shared.sampling.sampler import draw, position_generator
 
 
 def _children(tree: DraftTree) -> dict[int, list[int]]:

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.config import DEFAULT_MODEL_NAME, QUANTIZATIONS, QUANTIZED_AT_LOAD, option
+from specmesh.shared.config import DEFAULT_MODEL_NAME, QUANTIZATIONS, QUANTIZED_AT_LOAD, option
 
 ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN", "DFLASH")
 ALIASES = {"MTP": "NEXTN"}  # SGLang's names for the same algorithm

@@ -28,18 +28,17 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
+from specmesh.shared.core.tree import DraftTree
+from specmesh.shared.model.config import ModelConfig
+from specmesh.shared.model.layers import MLP, Linear, RMSNorm, pack_linears
+from specmesh.shared.model.llama import LlamaForCausalLM
+from specmesh.shared.model.loader import checkpoint_names, copy_into, split_fused
+from specmesh.shared.model.quantize import quantize_drafter
+from specmesh.shared.model.rope import apply_rope, rope_cos_sin
+from specmesh.shared.speculative.config import SpeculativeConfig, trained_block_size
+from specmesh.shared.speculative.drafter import DraftRequest, LocalDrafter
+from specmesh.shared.speculative.standalone import load_token_map, packed_lm_head
 from torch import nn
-
-from shared.core.tree import DraftTree
-from shared.model.config import ModelConfig
-from shared.model.layers import MLP, Linear, RMSNorm, pack_linears
-from shared.model.llama import LlamaForCausalLM
-from shared.model.loader import checkpoint_names, copy_into, split_fused
-from shared.model.quantize import quantize_drafter
-from shared.model.rope import apply_rope, rope_cos_sin
-from shared.speculative.config import SpeculativeConfig, trained_block_size
-from shared.speculative.drafter import DraftRequest, LocalDrafter
-from shared.speculative.standalone import load_token_map, packed_lm_head
 
 ARCHITECTURE = "DFlashDraftModel"
 KV = tuple[torch.Tensor, torch.Tensor]  # K, V [..., C, KVH, D]

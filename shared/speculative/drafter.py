@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-from shared.core.tree import DraftTree
+from specmesh.shared.core.tree import DraftTree
 
 
 @dataclass

@@ -32,34 +32,33 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch import nn
-
-from shared.core.sequence import Sequence
-from shared.core.tree import DraftTree
-from shared.kvcache.block_manager import BlockManager
-from shared.kvcache.kv_cache import KVCache
-from shared.model.attention import SequenceSpan, TorchAttention
-from shared.model.config import ModelConfig
-from shared.model.layers import MLP, Linear, RMSNorm, pack_linears
-from shared.model.llama import Attention, LlamaForCausalLM
-from shared.model.loader import (
+from specmesh.shared.core.sequence import Sequence
+from specmesh.shared.core.tree import DraftTree
+from specmesh.shared.kvcache.block_manager import BlockManager
+from specmesh.shared.kvcache.kv_cache import KVCache
+from specmesh.shared.model.attention import SequenceSpan, TorchAttention
+from specmesh.shared.model.config import ModelConfig
+from specmesh.shared.model.layers import MLP, Linear, RMSNorm, pack_linears
+from specmesh.shared.model.llama import Attention, LlamaForCausalLM
+from specmesh.shared.model.loader import (
     checkpoint_parts,
     copy_into,
     fused_slices,
     split_fused,
     wanted_names,
 )
-from shared.model.moe import MoE
-from shared.model.quantize import quantize_drafter
-from shared.model.rope import rope_cos_sin
-from shared.speculative.config import SpeculativeConfig
-from shared.speculative.drafter import DraftRequest, LocalDrafter, target_feature_layers
-from shared.speculative.standalone import (
+from specmesh.shared.model.moe import MoE
+from specmesh.shared.model.quantize import quantize_drafter
+from specmesh.shared.model.rope import rope_cos_sin
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.speculative.drafter import DraftRequest, LocalDrafter, target_feature_layers
+from specmesh.shared.speculative.standalone import (
     DRAFT_PARAMS,
     TreeSearch,
     load_token_map,
     packed_lm_head,
 )
+from torch import nn
 
 
 class EagleHead(nn.Module):

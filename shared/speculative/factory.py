@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shared.model.config import ModelConfig
-from shared.model.llama import LlamaForCausalLM
-from shared.speculative.config import SpeculativeConfig
-from shared.speculative.dflash import DFlashDrafter, read_dflash_spec
-from shared.speculative.drafter import Drafter
-from shared.speculative.eagle import EagleDrafter, read_head_spec
-from shared.speculative.ngram import NgramDrafter
-from shared.speculative.standalone import DraftModelDrafter
+from specmesh.shared.model.config import ModelConfig
+from specmesh.shared.model.llama import LlamaForCausalLM
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.speculative.dflash import DFlashDrafter, read_dflash_spec
+from specmesh.shared.speculative.drafter import Drafter
+from specmesh.shared.speculative.eagle import EagleDrafter, read_head_spec
+from specmesh.shared.speculative.ngram import NgramDrafter
+from specmesh.shared.speculative.standalone import DraftModelDrafter
 
 
 def drafter_target_features(cfg: SpeculativeConfig, model_dir: str) -> tuple[tuple[int, ...], bool]:

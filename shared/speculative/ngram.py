@@ -14,9 +14,9 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from shared.core.tree import DraftTree
-from shared.speculative.config import SpeculativeConfig
-from shared.speculative.drafter import DraftRequest, LocalDrafter
+from specmesh.shared.core.tree import DraftTree
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.speculative.drafter import DraftRequest, LocalDrafter
 
 
 @dataclass

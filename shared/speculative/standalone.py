@@ -16,21 +16,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from specmesh.shared.core.sequence import Sequence
+from specmesh.shared.core.tree import DraftTree, ancestor_mask
+from specmesh.shared.kvcache.block_manager import BlockManager
+from specmesh.shared.kvcache.kv_cache import KVCache
+from specmesh.shared.model.attention import SequenceSpan
+from specmesh.shared.model.layers import Linear
+from specmesh.shared.model.llama import LlamaForCausalLM
+from specmesh.shared.model.loader import load_model
+from specmesh.shared.model.quantize import DRAFT_OPTION, served_quantization
+from specmesh.shared.runner.model_runner import ModelRunner
+from specmesh.shared.sampling.params import SamplingParams
+from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.speculative.drafter import DraftRequest, LocalDrafter
 from torch import nn
-
-from shared.core.sequence import Sequence
-from shared.core.tree import DraftTree, ancestor_mask
-from shared.kvcache.block_manager import BlockManager
-from shared.kvcache.kv_cache import KVCache
-from shared.model.attention import SequenceSpan
-from shared.model.layers import Linear
-from shared.model.llama import LlamaForCausalLM
-from shared.model.loader import load_model
-from shared.model.quantize import DRAFT_OPTION, served_quantization
-from shared.runner.model_runner import ModelRunner
-from shared.sampling.params import SamplingParams
-from shared.speculative.config import SpeculativeConfig
-from shared.speculative.drafter import DraftRequest, LocalDrafter
 
 DRAFT_PARAMS = SamplingParams(temperature=0.0)
 

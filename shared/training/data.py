@@ -23,13 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from specmesh.shared.core.sequence import Sequence
+from specmesh.shared.engine.engine import LLMEngine
+from specmesh.shared.kvcache.block_manager import block_hash
+from specmesh.shared.sampling.params import SamplingParams
+from specmesh.shared.tokenizer import Tokenizer
 from tqdm import tqdm
-
-from shared.core.sequence import Sequence
-from shared.engine.engine import LLMEngine
-from shared.kvcache.block_manager import block_hash
-from shared.sampling.params import SamplingParams
-from shared.tokenizer import Tokenizer
 
 ROLES = {
     "human": "user",

@@ -20,11 +20,16 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
-
-from shared.model.llama import LlamaForCausalLM
-from shared.speculative.dflash import DFlashDraft, DFlashSpec, default_target_layers
-from shared.tokenizer import Tokenizer
-from shared.training.eagle_trainer import Batch, Roots, StepResult, reached, soft_cross_entropy
+from specmesh.shared.model.llama import LlamaForCausalLM
+from specmesh.shared.speculative.dflash import DFlashDraft, DFlashSpec, default_target_layers
+from specmesh.shared.tokenizer import Tokenizer
+from specmesh.shared.training.eagle_trainer import (
+    Batch,
+    Roots,
+    StepResult,
+    reached,
+    soft_cross_entropy,
+)
 
 DECAY_GAMMA = 7.0
 

@@ -39,12 +39,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from shared.model.llama import LlamaForCausalLM
-from shared.model.rope import apply_rope
-from shared.speculative.eagle import EagleHead
-from shared.training.data import Sample
-from shared.training.features import TargetView
+from specmesh.shared.model.llama import LlamaForCausalLM
+from specmesh.shared.model.rope import apply_rope
+from specmesh.shared.speculative.eagle import EagleHead
+from specmesh.shared.training.data import Sample
+from specmesh.shared.training.features import TargetView
 
 STEP_DECAY = 0.8
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from specmesh.shared.kvcache.kv_cache import KVCache
+from specmesh.shared.model.attention import SequenceSpan
+from specmesh.shared.model.llama import LlamaForCausalLM
+from specmesh.shared.training.data import Capture, CaptureReader, Sample
 from tqdm import tqdm
-
-from shared.kvcache.kv_cache import KVCache
-from shared.model.attention import SequenceSpan
-from shared.model.llama import LlamaForCausalLM
-from shared.training.data import Capture, CaptureReader, Sample
 
 BLOCK = 16
 

@@ -24,18 +24,17 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from shared.model.llama import LlamaForCausalLM
-from shared.speculative.eagle import EagleHead
-from shared.training.data import Sample
-from shared.training.eagle_trainer import (
+from specmesh.shared.model.llama import LlamaForCausalLM
+from specmesh.shared.speculative.eagle import EagleHead
+from specmesh.shared.training.data import Sample
+from specmesh.shared.training.eagle_trainer import (
     Roots,
     StepResult,
     acceptance_length,
     collate,
     unrolled_loss,
 )
-from shared.training.features import TargetView
+from specmesh.shared.training.features import TargetView
 
 
 def is_heldout(prompt_ids: Sequence[int], share: float) -> bool:

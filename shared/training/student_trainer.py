@@ -23,9 +23,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-
-from shared.model.llama import LlamaForCausalLM
-from shared.training.eagle_trainer import Batch, StepResult, soft_cross_entropy
+from specmesh.shared.model.llama import LlamaForCausalLM
+from specmesh.shared.training.eagle_trainer import Batch, StepResult, soft_cross_entropy
 
 
 def spaced_layers(total: int, keep: int) -> list[int]:

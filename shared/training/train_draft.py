@@ -23,24 +23,22 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
-
-from shared.config import model_option, option, resolve_device
-from shared.engine.engine import EngineConfig, LLMEngine
-from shared.model.config import ModelConfig
-from shared.model.fetch import resolve_model
-from shared.model.llama import LlamaForCausalLM
-from shared.model.loader import load_model, save_model
-from shared.speculative.config import HOT_TOKENS
-from shared.speculative.dflash import (
+from specmesh.shared.config import model_option, option, resolve_device
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine
+from specmesh.shared.model.config import ModelConfig
+from specmesh.shared.model.fetch import resolve_model
+from specmesh.shared.model.llama import LlamaForCausalLM
+from specmesh.shared.model.loader import load_model, save_model
+from specmesh.shared.speculative.config import HOT_TOKENS
+from specmesh.shared.speculative.dflash import (
     DFlashDraft,
     default_target_layers,
     load_dflash,
     read_dflash_spec,
     save_dflash,
 )
-from shared.speculative.drafter import target_feature_layers
-from shared.speculative.eagle import (
+from specmesh.shared.speculative.drafter import target_feature_layers
+from specmesh.shared.speculative.eagle import (
     EagleHead,
     HeadSpec,
     load_head,
@@ -48,9 +46,9 @@ from shared.speculative.eagle import (
     save_head,
     save_mtp,
 )
-from shared.speculative.standalone import load_token_map
-from shared.tokenizer import Tokenizer
-from shared.training.data import (
+from specmesh.shared.speculative.standalone import load_token_map
+from specmesh.shared.tokenizer import Tokenizer
+from specmesh.shared.training.data import (
     Capture,
     Sample,
     find_captures,
@@ -59,8 +57,8 @@ from shared.training.data import (
     self_distill,
     self_written_prompts,
 )
-from shared.training.dflash_trainer import block_loss, mask_token_id, new_dflash
-from shared.training.eagle_trainer import (
+from specmesh.shared.training.dflash_trainer import block_loss, mask_token_id, new_dflash
+from specmesh.shared.training.eagle_trainer import (
     Batch,
     Roots,
     StepResult,
@@ -70,9 +68,10 @@ from shared.training.eagle_trainer import (
     make_batches,
     unrolled_loss,
 )
-from shared.training.features import TargetViews, capture_layers
-from shared.training.prompts import training_prompts
-from shared.training.student_trainer import distill_loss, new_student
+from specmesh.shared.training.features import TargetViews, capture_layers
+from specmesh.shared.training.prompts import training_prompts
+from specmesh.shared.training.student_trainer import distill_loss, new_student
+from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 TRAINABLE = ("EAGLE3", "EAGLE", "NEXTN", "DFLASH", "STANDALONE")

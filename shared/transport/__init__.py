@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from shared.config import option, secret_option
-from shared.transport.base import KVTransport
+from specmesh.shared.config import option, secret_option
+from specmesh.shared.transport.base import KVTransport
 
 KINDS = ("shm", "redis", "direct")
 
@@ -49,17 +49,17 @@ def make_transport(
     direct store serves its blocks and how many bytes it keeps."""
     # Imported here so that a shm deployment never loads the redis client.
     if kind == "shm":
-        from shared.transport.shm import ShmTransport
+        from specmesh.shared.transport.shm import ShmTransport
 
         return ShmTransport(namespace)
     if kind == "redis":
         if not redis_url:
             raise ValueError("kv transport 'redis' needs a redis url (redis://host:port/db)")
-        from shared.transport.redis import RedisTransport
+        from specmesh.shared.transport.redis import RedisTransport
 
         return RedisTransport(redis_url, namespace, **(redis_options or {}))
     if kind == "direct":
-        from shared.transport.direct import DirectTransport
+        from specmesh.shared.transport.direct import DirectTransport
 
         d = direct or DirectOptions()
         return DirectTransport(d.host, d.port, d.capacity, d.secret)

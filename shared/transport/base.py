@@ -33,7 +33,7 @@ class KVTransport(abc.ABC):
         the writer shares it, else a connection to the writer's direct store."""
         if address is None or address == self.address:
             return self
-        from shared.transport.peer import PeerReader  # only deployments that use it
+        from specmesh.shared.transport.peer import PeerReader  # only deployments that use it
 
         with self._counter_lock:
             if address not in self._peers:

@@ -19,9 +19,8 @@ import threading
 import time
 
 import msgspec
-
-from shared.transport.base import KVTransport
-from shared.transport.peer import (
+from specmesh.shared.transport.base import KVTransport
+from specmesh.shared.transport.peer import (
     FRAME,
     MAX_REQUEST_BYTES,
     MISSING,

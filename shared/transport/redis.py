@@ -12,8 +12,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
-
-from shared.transport.base import KVTransport
+from specmesh.shared.transport.base import KVTransport
 
 # Fail fast when the server is down instead of waiting on the OS connect timeout.
 _CONNECT_TIMEOUT_S = 5.0

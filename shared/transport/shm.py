@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from shared.transport.base import KVTransport
+from specmesh.shared.transport.base import KVTransport
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 # Keys become file names: no separators, and no leading dot (temporary files start with one).
