@@ -2,15 +2,20 @@
 over GGUF's quantized blocks; `attention.cpp`: tiled causal attention for prefill;
 `decoder.cpp`: the fused decoder step; `pool.cpp`: the thread pool they run their jobs on),
 compiled on first use by torch's extension builder and cached under
-~/.cache/torch_extensions, one build per content of the sources: checkouts of different
-versions on one machine keep their own builds instead of rebuilding one in turns. Without
-a compiler or AVX2 they are simply absent and the model runs its plain torch path."""
+~/.cache/torch_extensions. One build per content of the sources, compiled from copies of
+them kept beside the builds: torch's builder rebuilds when a build's source paths change, so
+checkouts on one machine (or an image's build step and its installed package) sharing a build
+by its paths rebuilt it in turns. Without a compiler or AVX2 they are simply absent and the
+model runs its plain torch path."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
 import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
@@ -22,12 +27,34 @@ SOURCES = ("attention.cpp", "decoder.cpp", "matmul.cpp", "pool.cpp", "quant.cpp"
 HERE = Path(__file__).parent
 
 
+def _source_files() -> list[Path]:
+    return sorted([*HERE.glob("*.cpp"), *HERE.glob("*.h")])
+
+
 def build_name() -> str:
-    """The extension's name: its build directory, keyed by every source and header."""
+    """The extension's name (its build directory), keyed by every source and header."""
     digest = hashlib.blake2b(digest_size=6)
-    for path in sorted([*HERE.glob("*.cpp"), *HERE.glob("*.h")]):
+    for path in _source_files():
         digest.update(path.name.encode() + path.read_bytes())
     return f"specmesh_cpu_{digest.hexdigest()}"
+
+
+def staged_sources(name: str) -> Path:
+    """The sources copied under the build root, in a folder named like the build: the same
+    paths for the same content wherever the package lies."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    staged = Path(get_default_build_root()) / "specmesh_sources" / name
+    if not staged.is_dir():
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=staged.parent))
+        for path in _source_files():
+            shutil.copy2(path, tmp)
+        try:
+            os.rename(tmp, staged)
+        except OSError:  # another process staged them first
+            shutil.rmtree(tmp)
+    return staged
 
 
 @functools.cache
@@ -38,9 +65,11 @@ def load() -> ModuleType | None:
     from torch.utils.cpp_extension import load as build
 
     try:
+        name = build_name()
+        staged = staged_sources(name)
         module = build(
-            name=build_name(),
-            sources=[str(HERE / f) for f in SOURCES],
+            name=name,
+            sources=[str(staged / f) for f in SOURCES],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"],
         )
     except Exception as exc:  # no compiler, no headers: the torch path still works
