@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from cluster_faults import cluster  # noqa: E402
 from specmesh.services.cluster_harness import netns, state  # noqa: E402
 from specmesh.services.cluster_harness.topology import valkey_url  # noqa: E402
-from specmesh.shared.transport import make_transport  # noqa: E402
+from specmesh.shared.transport import DirectOptions, make_transport  # noqa: E402
 
 PORT = 8124
 
@@ -52,8 +52,6 @@ def worker(role: str, kind: str, url: str, address: str) -> None:
     """Runs in a host's namespace: answers JSON lines from stdin (a writer stores
     {"blocks", "size", "tag"}; a reader reads {"keys", "source"}) with the seconds taken."""
     options = {"password": os.environ["SPECMESH_REDIS_PASSWORD"]} if kind == "redis" else None
-    from specmesh.shared.transport import DirectOptions
-
     transport = make_transport(kind, "bench", url, options, DirectOptions(host=address))
     for line in sys.stdin:
         req = json.loads(line)

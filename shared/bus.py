@@ -22,7 +22,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import NoServersError
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
-from specmesh.shared.config import option, secret_option
+from specmesh.shared.config import nats_servers, option, secret_option
 from specmesh.shared.protocol import (
     ErrorReply,
     PayloadTooLarge,
@@ -141,7 +141,7 @@ class Bus:
         options = auth.connect_options()
         if auth.nats_user:  # replies come back where only this user may subscribe
             options["inbox_prefix"] = inbox_prefix(auth.nats_user)
-        servers = [server.strip() for server in url.split(",") if server.strip()]
+        servers = nats_servers(url)
         try:
             await _probe(servers, options)
             nc = await nats.connect(

@@ -137,6 +137,11 @@ def dtype_option() -> Any:
     )
 
 
+def nats_servers(url: str) -> list[str]:
+    """The servers of a --nats-url: one, or a cluster's comma-separated."""
+    return [server.strip() for server in url.split(",") if server.strip()]
+
+
 def secret_option(help: str) -> Any:
     """An option holding a secret: child processes get it through their environment,
     never on a command line that `ps` shows."""

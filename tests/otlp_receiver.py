@@ -7,24 +7,17 @@ waits for the ones it expects. Metrics and logs are accepted and dropped.
 
 from __future__ import annotations
 
-import gzip
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
-from google.protobuf.message import DecodeError
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
-
-PROTOBUF = "application/x-protobuf"
+from specmesh.services.compose_local.otlp_sink import OtlpTraceHandler
 
 
 @dataclass(frozen=True)
@@ -70,45 +63,13 @@ def _decode(body: bytes) -> list[ReceivedSpan]:
     return spans
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(OtlpTraceHandler):
     def __init__(self, *args: Any, receiver: OtlpReceiver, **kwargs: Any) -> None:
         self.receiver = receiver  # set first: the base __init__ handles the request
         super().__init__(*args, **kwargs)
 
-    def do_POST(self) -> None:
-        length = self.headers.get("Content-Length")
-        if length is None:
-            self._reply(411)
-            return
-        body = self.rfile.read(int(length))
-        if self.path.rstrip("/") != "/v1/traces":
-            self._reply(200)  # metrics, logs: accepted, not recorded
-            return
-        if self.headers.get_content_type() != PROTOBUF:
-            self._reply(415)
-            return
-        try:
-            encoding = self.headers.get("Content-Encoding", "identity").lower()
-            if encoding == "gzip":
-                body = gzip.decompress(body)
-            elif encoding == "deflate":
-                body = zlib.decompress(body)
-            spans = _decode(body)
-        except (OSError, EOFError, zlib.error, DecodeError) as exc:
-            self._reply(400, str(exc).encode())
-            return
-        self.receiver._record(spans)
-        self._reply(200, ExportTraceServiceResponse().SerializeToString(), PROTOBUF)
-
-    def _reply(self, status: int, body: bytes = b"", content_type: str = "text/plain") -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        """Quiet: one stderr line per export would bury the test output."""
+    def receive(self, body: bytes) -> None:
+        self.receiver._record(_decode(body))
 
 
 class OtlpReceiver:

@@ -26,18 +26,21 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for pkg in FOLDERS for p in (ROOT / pkg).rglob("*.py")}
 
 
-def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
-    """Our modules that `path` imports, at the top or inside functions alike."""
+def _imported_names(path: Path) -> set[str]:
+    """Every absolute name `path` imports (`from a import b`: a and a.b), at the top or
+    inside functions alike."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        else:
-            continue
-        found |= {name for name in names if name in modules}
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
     return found
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Our modules that `path` imports."""
+    return _imported_names(path) & set(modules)
 
 
 def _package(module: str) -> str:
@@ -115,17 +118,12 @@ def upward_imports(graph: dict[str, set[str]], order: list[set[str]]) -> list[st
 
 def test_every_import_of_ours_names_the_specmesh_namespace() -> None:
     """`import shared...` would load a second copy of a module beside specmesh.shared's."""
-    old = []
-    for name, path in _modules().items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = (
-                [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else [node.module]
-                if isinstance(node, ast.ImportFrom) and node.module and not node.level
-                else []
-            )
-            old += [f"{name}: {n}" for n in names if n.split(".")[0] in FOLDERS[1:]]
+    old = [
+        f"{name}: {imported}"
+        for name, path in _modules().items()
+        for imported in sorted(_imported_names(path))
+        if imported.split(".")[0] in FOLDERS[1:]
+    ]
     assert old == []
 
 

@@ -78,21 +78,20 @@ def _decompress(body: bytes, encoding: str) -> bytes:
     return body
 
 
-class _Handler(BaseHTTPRequestHandler):
-    def __init__(self, *args: Any, store: SpanStore, **kwargs: Any) -> None:
-        self.store = store  # set first: the base __init__ handles the request
-        super().__init__(*args, **kwargs)
+class OtlpTraceHandler(BaseHTTPRequestHandler):
+    """OTLP/HTTP's trace export as a collector takes it (protobuf, gzip or deflate or
+    neither): each export's protobuf body goes to `receive`, which may raise DecodeError
+    (a 400); metrics and logs are accepted and dropped, anything else is a 4xx."""
 
-    def do_GET(self) -> None:
-        if self.path == "/health":
-            self._reply(200, b"ok")
-        elif self.path == "/v1/spans":
-            self._reply(200, json.dumps(self.store.all()).encode(), "application/json")
-        else:
-            self._reply(404)
+    def receive(self, body: bytes) -> None:
+        raise NotImplementedError
 
     def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        length = self.headers.get("Content-Length")
+        if length is None:
+            self._reply(411)
+            return
+        body = self.rfile.read(int(length))
         if self.path.rstrip("/") != "/v1/traces":
             self._reply(200)  # metrics and logs: accepted, not kept
             return
@@ -101,11 +100,10 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             encoding = self.headers.get("Content-Encoding", "identity").lower()
-            spans = decode_spans(_decompress(body, encoding))
+            self.receive(_decompress(body, encoding))
         except (OSError, EOFError, zlib.error, DecodeError) as exc:
             self._reply(400, str(exc).encode())
             return
-        self.store.add(spans)
         self._reply(200, ExportTraceServiceResponse().SerializeToString(), PROTOBUF)
 
     def _reply(self, status: int, body: bytes = b"", content_type: str = "text/plain") -> None:
@@ -116,7 +114,24 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def log_message(self, format: str, *args: Any) -> None:
-        """Quiet: a line per export would bury the container's log."""
+        """Quiet: a line per export would bury the container's (or a test's) output."""
+
+
+class _SinkHandler(OtlpTraceHandler):
+    def __init__(self, *args: Any, store: SpanStore, **kwargs: Any) -> None:
+        self.store = store  # set first: the base __init__ handles the request
+        super().__init__(*args, **kwargs)
+
+    def receive(self, body: bytes) -> None:
+        self.store.add(decode_spans(body))
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._reply(200, b"ok")
+        elif self.path == "/v1/spans":
+            self._reply(200, json.dumps(self.store.all()).encode(), "application/json")
+        else:
+            self._reply(404)
 
 
 def main() -> None:
@@ -124,7 +139,7 @@ def main() -> None:
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=4318)
     args = parser.parse_args()
-    handler = partial(_Handler, store=SpanStore())
+    handler = partial(_SinkHandler, store=SpanStore())
     server = ThreadingHTTPServer((args.host, args.port), handler)
     server.daemon_threads = True
     # PID 1 in its container: without a handler SIGTERM is ignored and `docker stop` waits.

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from specmesh.shared.config import option, secret_option
+from specmesh.shared.config import nats_servers, option, secret_option
 from specmesh.shared.transport.base import KVTransport
 
 KINDS = ("shm", "redis", "direct")
@@ -134,7 +134,7 @@ def local_address_towards(url: str) -> str:
     """This host's address on the route to the first server of `url` whose name resolves (a
     node that is down may have none: compose's DNS drops a stopped container's name). No
     packet is sent: a UDP socket's connect only picks the route."""
-    servers = [urlsplit(part.strip()) for part in url.split(",")]
+    servers = [urlsplit(server) for server in nats_servers(url)]
     for server in servers[:-1]:
         with contextlib.suppress(socket.gaierror):
             return _address_towards(server.hostname, server.port)

@@ -24,7 +24,7 @@ class KVTransport(abc.ABC):
         # Bytes actually moved by put_many / get_many, for metrics.
         self.bytes_written = 0
         self.bytes_read = 0
-        self._counter_lock = threading.Lock()
+        self._lock = threading.Lock()  # the byte counters and the peers
         self.peer_secret = peer_secret
         self._peers: dict[str, BlockReader] = {}
 
@@ -35,13 +35,13 @@ class KVTransport(abc.ABC):
             return self
         from specmesh.shared.transport.peer import PeerReader  # only deployments that use it
 
-        with self._counter_lock:
+        with self._lock:
             if address not in self._peers:
                 self._peers[address] = PeerReader(address, self.peer_secret)
             return self._peers[address]
 
     def _count(self, written: int = 0, read: int = 0) -> None:
-        with self._counter_lock:
+        with self._lock:
             self.bytes_written += written
             self.bytes_read += read
 
