@@ -9,7 +9,7 @@ EAGLE-3, NEXTN, DFLASH.
 Each setup is its own `specmesh up` (five services, shm transport), one request at a
 time (concurrency 1), greedy. Two prompt sets: `chat`, the held-out chat prompts
 (`benchmarks/prompts/chat_heldout.json`, topics no drafter trained on) and `copy`,
-bench_speculative's rewrite and repetition prompts. Per setup and set it prints
+bench_ngram's rewrite and repetition prompts. Per setup and set it prints
 generated tokens/s and the acceptance length (tokens per verify step), and each
 setup's speed over no speculation and over NGRAM: ratios taken within a run (the
 setups run back to back), then the median over `--runs`. First it prints the verify
@@ -35,7 +35,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_speculative import REPEAT, REWRITE  # noqa: E402
+from bench_ngram import REPEAT, REWRITE  # noqa: E402
 from deployment import specmesh_up  # noqa: E402
 from specmesh.shared.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from specmesh.shared.infra import start_nats  # noqa: E402

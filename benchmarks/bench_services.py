@@ -3,7 +3,7 @@
     python benchmarks/bench_services.py [--model DIR] [--new-tokens 64] [--runs 5]
         [--algorithm NGRAM|EAGLE3|...|none] [--kv-transport shm]
 
-Same prompts (bench_speculative's rewrite set), same algorithm, greedy, every
+Same prompts (bench_ngram's rewrite set), same algorithm, greedy, every
 request `--new-tokens` long (ignore_eos, as serving benchmarks do: at concurrency 8
 all eight stay in the batch to the end instead of one long answer decoding alone).
 For concurrency 1 (one request at a time) and 8 (eight at once) it prints
@@ -30,7 +30,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_speculative import REWRITE  # noqa: E402
+from bench_ngram import REWRITE  # noqa: E402
 from deployment import specmesh_up  # noqa: E402
 from specmesh.shared.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from specmesh.shared.infra import start_nats  # noqa: E402

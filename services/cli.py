@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     fetch.add_argument("--dest", default=None, help="directory (default: the specmesh cache)")
     fetch.set_defaults(run=_fetch_model)
 
-    from specmesh.services.bench_speculative import BenchSpeculativeConfig, sweep
+    from specmesh.services.draft_sweep import DraftSweepConfig, sweep
     from specmesh.shared.training.train_draft import TrainDraftConfig, train_draft
 
     train = _config_command(
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         bench,
         "speculative",
         "sweep each algorithm's draft shape over prompt sets; print the best per workload",
-        BenchSpeculativeConfig,
+        DraftSweepConfig,
         sweep,
     )
 

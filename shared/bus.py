@@ -28,9 +28,9 @@ from specmesh.shared.protocol import (
     PayloadTooLarge,
     ProtocolError,
     RemoteError,
-    decode,
-    encode,
     inbox_prefix,
+    pack,
+    unpack,
 )
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ class Bus:
                 raise BusError(f"no reply on {subject} within {timeout} s") from exc
             except nats.errors.Error as exc:  # reconnecting with a full buffer, closed, ...
                 raise BusError(f"cannot send on {subject}: {exc}") from exc
-            return decode(reply.data, expect)
+            return unpack(reply.data, expect)
 
     async def publish(
         self, subject: str, msg: Any, ctx: otel_context.Context | None = None
@@ -187,7 +187,7 @@ class Bus:
 
     def _encoded(self, msg: Any) -> bytes:
         """`msg` encoded; PayloadTooLarge if NATS would refuse it (the server's limit)."""
-        data = encode(msg)
+        data = pack(msg)
         if len(data) > self.nc.max_payload:
             name, limit = type(msg).__name__, self.nc.max_payload
             raise PayloadTooLarge(f"{name} of {len(data)} bytes is over the bus's {limit}")
@@ -207,7 +207,7 @@ class Bus:
                 f"{self.name} {subject}", context=ctx, kind=trace.SpanKind.SERVER
             ):
                 try:
-                    reply = await handler(decode(raw.data))
+                    reply = await handler(unpack(raw.data))
                 except ProtocolError as exc:
                     reply = ErrorReply(message=str(exc), status=exc.status)
                 except ValueError as exc:
@@ -233,7 +233,7 @@ class Bus:
         try:
             return self._encoded(reply)
         except PayloadTooLarge as exc:
-            return encode(ErrorReply(message=f"the reply is too large: {exc}", status=exc.status))
+            return pack(ErrorReply(message=f"the reply is too large: {exc}", status=exc.status))
 
     async def stop_serving(self, subject: str) -> None:
         """Take no more messages on `subject` (a queue group's others get them)."""

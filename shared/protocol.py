@@ -1,7 +1,7 @@
 """Every message the services exchange, and the subjects they travel on.
 
 Messages are msgspec structs, built by keyword, packed with msgpack inside an envelope
-`[version, type name, fields]`. Decoding validates every field against its type (and
+`[version, type name, fields]` (`pack`). Unpacking validates every field against its type (and
 the bounds of `TokenId`), so a malformed message fails alone, on receipt. No pickle: a
 peer can only make us build the types listed here. Large tensors never ride in
 messages: KV blocks go through the KV transport and messages carry their keys.
@@ -15,12 +15,12 @@ import msgspec
 from specmesh.shared.core.spec_stats import SpecStats
 from specmesh.shared.sampling.params import INT32_MAX, SamplingParams
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # Subjects. `{id}` is an instance id; the queue groups share work among instances.
 TOKENIZE = "specmesh.tokenizer.tokenize"  # queue group "tokenizer"
 ENCODE = "specmesh.tokenizer.encode"  # queue group "tokenizer": text to ids, nothing kept
-DECODE = "specmesh.tokenizer.decode"  # queue group "tokenizer": ids to text, nothing kept
+DETOKENIZE = "specmesh.tokenizer.detokenize"  # queue group "tokenizer": ids to text, nothing kept
 PREFILL = "specmesh.prefill"  # queue group "prefill"
 ABORT = "specmesh.abort"  # broadcast: every service drops the request
 HEARTBEAT = "specmesh.heartbeat.{kind}"  # kind: a kind of service
@@ -78,7 +78,7 @@ def inbox_prefix(user: str) -> str:
 _ALLOWED: dict[str, tuple[list[str], list[str]]] = {
     "gateway": (
         [
-            *(TOKENIZE, ENCODE, DECODE, PREFILL, ABORT),
+            *(TOKENIZE, ENCODE, DETOKENIZE, PREFILL, ABORT),
             *(decode_subject("*"), resume_subject("*"), flush_subject("*")),
             cache_snapshot_subject("*"),
         ],
@@ -87,7 +87,7 @@ _ALLOWED: dict[str, tuple[list[str], list[str]]] = {
     "tokenizer": (
         [gateway_subject("*"), ABORT],
         [
-            *(TOKENIZE, ENCODE, DECODE, ABORT, GATEWAY_HEARTBEAT),
+            *(TOKENIZE, ENCODE, DETOKENIZE, ABORT, GATEWAY_HEARTBEAT),
             *(detok_subject("*"), resume_subject("*")),
         ],
     ),
@@ -200,14 +200,14 @@ class EncodeReply(Message, kw_only=True):
     token_ids: list[list[TokenId]]
 
 
-class DecodeRequest(Message, kw_only=True):
+class DetokenizeRequest(Message, kw_only=True):
     """Token ids to texts (the /detokenize endpoint); ids outside the vocabulary fail."""
 
     token_ids: list[list[TokenId]]
     skip_special_tokens: bool = True
 
 
-class DecodeReply(Message, kw_only=True):
+class DetokenizeReply(Message, kw_only=True):
     texts: list[str]
 
 
@@ -458,8 +458,8 @@ _MESSAGES: dict[str, type[Message]] = {
         TokenizeReply,
         EncodeRequest,
         EncodeReply,
-        DecodeRequest,
-        DecodeReply,
+        DetokenizeRequest,
+        DetokenizeReply,
         FlushCache,
         CacheFlushed,
         CacheEvents,
@@ -491,7 +491,7 @@ _DECODERS = {name: msgspec.msgpack.Decoder(cls) for name, cls in _MESSAGES.items
 M = TypeVar("M")
 
 
-def encode(msg: Any) -> bytes:
+def pack(msg: Any) -> bytes:
     name = type(msg).__name__
     if _MESSAGES.get(name) is not type(msg):
         raise ProtocolError(f"{name} is not a protocol message")
@@ -499,10 +499,10 @@ def encode(msg: Any) -> bytes:
         fields = msgspec.Raw(_ENCODER.encode(msg))
         return _ENCODER.encode(_Envelope(PROTOCOL_VERSION, name, fields))
     except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as exc:
-        raise ProtocolError(f"cannot encode {name}: {exc}") from exc
+        raise ProtocolError(f"cannot pack {name}: {exc}") from exc
 
 
-def decode(data: bytes, expect: type[M] | None = None) -> M:
+def unpack(data: bytes, expect: type[M] | None = None) -> M:
     """Unpack and validate a message; with `expect`, anything else (an ErrorReply too)
     raises."""
     try:

@@ -29,10 +29,10 @@ from specmesh.shared.protocol import (
     SERVICE_USERS,
     TOKENIZE,
     Heartbeat,
-    decode,
     decode_subject,
     gateway_subject,
     inbox_prefix,
+    unpack,
 )
 
 
@@ -113,7 +113,7 @@ def heartbeats(nats_url: str, seconds: float = 2.5) -> dict[str, Heartbeat]:
         nc = await nats.connect(nats_url)
 
         async def on_message(msg: nats.aio.msg.Msg) -> None:
-            beat = decode(msg.data, Heartbeat)
+            beat = unpack(msg.data, Heartbeat)
             seen[beat.instance_id] = beat
 
         await nc.subscribe(HEARTBEAT.format(kind="*"), cb=on_message)

@@ -58,9 +58,9 @@ from specmesh.shared.protocol import (
     RemoteError,
     TextDelta,
     TokenBatches,
-    decode,
     decode_subject,
     detok_subject,
+    unpack,
 )
 from specmesh.shared.sampling.params import SamplingParams
 
@@ -474,7 +474,7 @@ async def _crafted_messages(nats_url: str) -> list[str]:
         )
         reply = await bus.nc.request(PREFILL, raw, timeout=30)
         with pytest.raises(RemoteError) as info:
-            decode(reply.data, PrefillReply)
+            unpack(reply.data, PrefillReply)
         outcomes.append(f"{info.value.status} {info.value}")
         # Admitted with K/V keys that name nothing: decode recomputes the prompt itself.
         real = PrefillRequest(request_id="c4", prompt_ids=[1, 2], params=params)
@@ -578,7 +578,7 @@ async def _prefill_beat(bus: Bus) -> Heartbeat:
     sub = await bus.nc.subscribe(HEARTBEAT.format(kind="prefill"))
     try:
         msg = await sub.next_msg(timeout=5)
-        return decode(msg.data, Heartbeat)
+        return unpack(msg.data, Heartbeat)
     finally:
         await sub.unsubscribe()
 

@@ -235,7 +235,8 @@ def test_a_corrupt_or_mismatched_head_is_refused(pool: Pool, kind: str, tmp_path
     pushed = pool.pushed(last)
     pool.wait_for("a refusal", lambda: pool.state()["versions"][str(pushed)]["status"] == "refused")
     for drafter in DRAFTERS:
-        refusal = f"{drafter} ERROR specmesh.services.drafter.online: refusing head version {pushed}: "
+        logger = "specmesh.services.drafter.online"
+        refusal = f"{drafter} ERROR {logger}: refusing head version {pushed}: "
         pool.wait_for(f"{drafter}'s refusal", lambda r=refusal: r in pool.log.read_text())
     had = pool.state()["versions"][str(pushed)]["parent"]
     assert f"the pool goes back to version {had}" in pool.log_text()

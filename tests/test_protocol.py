@@ -22,8 +22,8 @@ from specmesh.shared.protocol import (
     TextDeltas,
     TokenBatch,
     TokenBatches,
-    decode,
-    encode,
+    pack,
+    unpack,
 )
 from specmesh.shared.sampling.params import SamplingParams
 
@@ -67,7 +67,7 @@ def test_nested_messages_round_trip() -> None:
         detok_subject="a",
         output_subject="b",
     )
-    again = decode(encode(admit), AdmitRequest)
+    again = unpack(pack(admit), AdmitRequest)
     assert again == admit
     assert isinstance(again.params, SamplingParams) and again.prefill.top_logprobs == [
         (7, -0.5),
@@ -82,9 +82,9 @@ def test_nested_messages_round_trip() -> None:
         feature_position=3,
     )
     step = DraftStep(items=[item])
-    assert decode(encode(step)) == step
+    assert unpack(pack(step)) == step
     reply = DraftReply(trees=[DraftTreeMsg(tokens=[5, 6], parents=[-1, 0])])
-    assert decode(encode(reply), DraftReply) == reply
+    assert unpack(pack(reply), DraftReply) == reply
     batch = TokenBatch(
         request_id="r1",
         output_subject="out",
@@ -93,14 +93,14 @@ def test_nested_messages_round_trip() -> None:
         top_logprobs=[[(5, -0.5)], [(6, -1.0), (2, -3.0)]],
     )
     tokens = TokenBatches(batches=[batch])
-    assert decode(encode(tokens), TokenBatches) == tokens
+    assert unpack(pack(tokens), TokenBatches) == tokens
     deltas = TextDeltas(
         deltas=[
             TextDelta(request_id="r1", text="Hi", num_tokens=2),
             TextDelta(request_id="r2", text="", num_tokens=0, finish_reason="stop"),
         ]
     )
-    assert decode(encode(deltas), TextDeltas) == deltas
+    assert unpack(pack(deltas), TextDeltas) == deltas
 
 
 def test_messages_are_built_by_keyword() -> None:
@@ -109,10 +109,10 @@ def test_messages_are_built_by_keyword() -> None:
 
 
 def test_defaults_fill_fields_an_older_peer_did_not_send() -> None:
-    beat = decode(_raw("Heartbeat", {"kind": "decode", "instance_id": "d0"}), Heartbeat)
+    beat = unpack(_raw("Heartbeat", {"kind": "decode", "instance_id": "d0"}), Heartbeat)
     assert beat.active_requests == 0 and not beat.leaving
     newer = _raw("Heartbeat", {"kind": "decode", "instance_id": "d0", "gpu": "h100"})
-    assert decode(newer, Heartbeat).instance_id == "d0"  # unknown fields are ignored
+    assert unpack(newer, Heartbeat).instance_id == "d0"  # unknown fields are ignored
 
 
 @pytest.mark.parametrize(
@@ -151,21 +151,21 @@ def test_defaults_fill_fields_an_older_peer_did_not_send() -> None:
 )
 def test_bad_messages_are_rejected(raw: bytes, message: str) -> None:
     with pytest.raises(ProtocolError, match=message):
-        decode(raw)
+        unpack(raw)
 
 
 def test_an_error_reply_raises_with_its_status() -> None:
     with pytest.raises(RemoteError, match="too long") as info:
-        decode(encode(ErrorReply(message="prompt too long", status=400)), TokenBatches)
+        unpack(pack(ErrorReply(message="prompt too long", status=400)), TokenBatches)
     assert info.value.status == 400
     with pytest.raises(ProtocolError, match="expected TokenBatches"):
-        decode(encode(Heartbeat(kind="decode", instance_id="d0")), TokenBatches)
+        unpack(pack(Heartbeat(kind="decode", instance_id="d0")), TokenBatches)
 
 
-def test_only_protocol_messages_encode() -> None:
+def test_only_protocol_messages_pack() -> None:
     with pytest.raises(ProtocolError):
-        encode(SamplingParams())
+        pack(SamplingParams())
     with pytest.raises(ProtocolError):  # a step's tokens travel only in a TokenBatches
-        encode(TokenBatch(request_id="r1", output_subject="out", token_ids=[5]))
-    with pytest.raises(ProtocolError, match="cannot encode"):
-        encode(ErrorReply(message="x", status=2**70))
+        pack(TokenBatch(request_id="r1", output_subject="out", token_ids=[5]))
+    with pytest.raises(ProtocolError, match="cannot pack"):
+        pack(ErrorReply(message="x", status=2**70))

@@ -12,7 +12,7 @@ from helpers import GREEDY, PROMPTS, tiny_llama, write_eagle_head
 from specmesh.shared.config import DEFAULT_MODEL_NAME
 from specmesh.shared.core.tree import DraftTree
 from specmesh.shared.engine.engine import EngineConfig, LLMEngine
-from specmesh.shared.engine.speculation import StepCosts, best_budget
+from specmesh.shared.engine.speculator import StepCosts, best_budget
 from specmesh.shared.sampling.params import SamplingParams
 from specmesh.shared.sampling.sampler import draw, position_generator
 from specmesh.shared.speculative.accept import accept_sampling
@@ -180,10 +180,10 @@ def test_speculative_sampling_matches_the_target_distribution(
     rule: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if rule == "wrong":
-        import specmesh.shared.engine.speculation
+        import specmesh.shared.engine.speculator
 
         monkeypatch.setattr(
-            specmesh.shared.engine.speculation, "accept_sampling", _accept_without_residual
+            specmesh.shared.engine.speculator, "accept_sampling", _accept_without_residual
         )
     target = tiny_llama(tmp_path / "target", vocab=6, seed=1, hidden=32, layers=2)
     draft = tiny_llama(tmp_path / "draft", vocab=6, seed=2, hidden=32, layers=1)

@@ -33,11 +33,11 @@ from specmesh.services.gateway.schema import (
 from specmesh.shared.bus import BusError
 from specmesh.shared.core.spec_stats import SpecStats
 from specmesh.shared.protocol import (
-    DECODE,
+    DETOKENIZE,
     ENCODE,
     CacheFlushed,
-    DecodeReply,
-    DecodeRequest,
+    DetokenizeReply,
+    DetokenizeRequest,
     EncodeReply,
     EncodeRequest,
     FlushCache,
@@ -261,8 +261,8 @@ def native_routes(cluster: Cluster, model_name: str) -> APIRouter:
     async def detokenize(req: DetokenizeBody) -> dict[str, Any]:
         batched = bool(req.tokens) and isinstance(req.tokens[0], list)
         ids = req.tokens if batched else [req.tokens]
-        decoded = DecodeRequest(token_ids=ids, skip_special_tokens=req.skip_special_tokens)  # type: ignore[arg-type]
-        reply = await _call(cluster, DECODE, decoded, DecodeReply)
+        decoded = DetokenizeRequest(token_ids=ids, skip_special_tokens=req.skip_special_tokens)  # type: ignore[arg-type]
+        reply = await _call(cluster, DETOKENIZE, decoded, DetokenizeReply)
         return {"text": reply.texts if batched else reply.texts[0]}
 
     @router.get("/health_generate")

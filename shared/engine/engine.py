@@ -27,7 +27,7 @@ from specmesh.shared.core.sequence import RemotePrefix, Sequence, SequenceStatus
 from specmesh.shared.core.spec_stats import SpecStats
 from specmesh.shared.core.tree import DraftTree
 from specmesh.shared.engine.scheduler import SCHEDULE_POLICIES, Scheduler
-from specmesh.shared.engine.speculation import PendingDrafts, Speculator, StepCosts
+from specmesh.shared.engine.speculator import PendingDrafts, Speculator, StepCosts
 from specmesh.shared.kvcache.block_manager import BlockManager
 from specmesh.shared.kvcache.exchange import KVExchange, feature_tag
 from specmesh.shared.kvcache.kv_cache import KVCache, blocks_for_mem_fraction

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from helpers import tiny_llama
-from specmesh.services.bench_speculative import BenchSpeculativeConfig, sweep
+from specmesh.services.draft_sweep import DraftSweepConfig, sweep
 
 
 def test_the_sweep_measures_every_shape_against_plain_decoding(
@@ -21,7 +21,7 @@ def test_the_sweep_measures_every_shape_against_plain_decoding(
     prompts.write_text(
         json.dumps({"copy": ["Repeat: one two three one two three"], "chat": ["Hi"]})
     )
-    cfg = BenchSpeculativeConfig(
+    cfg = DraftSweepConfig(
         model=str(target),
         algorithms="NGRAM",
         num_draft_tokens="2,4",
@@ -41,12 +41,12 @@ def test_the_sweep_measures_every_shape_against_plain_decoding(
 
 
 def test_shapes_follow_each_algorithm_and_bad_options_fail_clearly(tmp_path: Path) -> None:
-    cfg = BenchSpeculativeConfig(num_steps="2,3", topk="1,2")
+    cfg = DraftSweepConfig(num_steps="2,3", topk="1,2")
     assert cfg.grid("NEXTN") == [(2, 1, 3), (3, 1, 4)]  # chain only
     assert cfg.grid("EAGLE3") == [(2, 1, 3), (2, 2, 5), (3, 1, 4), (3, 2, 7)]
     with pytest.raises(ValueError, match="comma-separated integers"):
-        BenchSpeculativeConfig(num_steps="two").grid("EAGLE3")
+        DraftSweepConfig(num_steps="two").grid("EAGLE3")
     with pytest.raises(ValueError, match="--workloads chat"):
-        BenchSpeculativeConfig(workloads=f"chat={tmp_path / 'missing.json'}").prompt_sets()
+        DraftSweepConfig(workloads=f"chat={tmp_path / 'missing.json'}").prompt_sets()
     with pytest.raises(ValueError, match="one algorithm"):
-        sweep(BenchSpeculativeConfig(algorithms="NGRAM,EAGLE3", speculative_draft_model_path="x"))
+        sweep(DraftSweepConfig(algorithms="NGRAM,EAGLE3", speculative_draft_model_path="x"))

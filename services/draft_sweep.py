@@ -40,7 +40,7 @@ def _ints(text: str, name: str) -> list[int]:
 
 
 @dataclass
-class BenchSpeculativeConfig:
+class DraftSweepConfig:
     """Each field is also a `specmesh bench speculative` option."""
 
     model: str | None = model_option()
@@ -110,7 +110,7 @@ def _run(
     return outputs, sum(map(len, outputs)) / (time.perf_counter() - started)
 
 
-def sweep(cfg: BenchSpeculativeConfig) -> list[Result]:
+def sweep(cfg: DraftSweepConfig) -> list[Result]:
     """Measure every (workload, algorithm, shape); print each row and the best per workload."""
     model = str(resolve_model(cfg.model))
     tokenizer = Tokenizer(Path(model))

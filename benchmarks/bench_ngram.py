@@ -1,6 +1,6 @@
 """NGRAM speculation vs plain decoding vs transformers, side by side in one run.
 
-    python benchmarks/bench_speculative.py [--model DIR] [--new-tokens 128] [--runs 1]
+    python benchmarks/bench_ngram.py [--model DIR] [--new-tokens 128] [--runs 1]
 
 Two prompt sets: rewrite-style (rewrite code with a small change, correct a
 sentence, extend a list) and literal repetition. For each set it prints
