@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Callable
@@ -45,12 +46,11 @@ def _up(args: argparse.Namespace) -> None:
     from specmesh.shared.model.fetch import resolve_model
     from specmesh.shared.speculative.factory import drafter_target_features
 
-    configs = Configs(**{name: dataclass_from_args(cls, args) for name, cls in _UP_CONFIGS.items()})
-    configs.engine.model = str(resolve_model(configs.engine.model))  # fetch once, not per service
+    given = {name: dataclass_from_args(cls, args) for name, cls in _UP_CONFIGS.items()}
+    model = str(resolve_model(given["engine"].model))  # fetch once, not per service
+    configs = Configs(**{**given, "engine": dataclasses.replace(given["engine"], model=model)})
     if configs.spec.enabled:  # a bad combination or draft head fails before anything starts
-        spec = configs.spec.resolved(configs.engine.model)
-        drafter_target_features(spec, configs.engine.model)
-    configs.__post_init__()
+        drafter_target_features(configs.spec.resolved(model), model)
     sys.exit(Launcher(configs).run())
 
 

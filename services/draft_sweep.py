@@ -39,7 +39,7 @@ def _ints(text: str, name: str) -> list[int]:
     return values
 
 
-@dataclass
+@dataclass(frozen=True)
 class DraftSweepConfig:
     """Each field is also a `specmesh bench speculative` option."""
 

@@ -43,7 +43,7 @@ from specmesh.shared.transport import DEFAULT_KV_NAMESPACE, TransportConfig
 READY_TIMEOUT_S = 600  # first start-up may fetch and convert the model
 
 
-@dataclass
+@dataclass(frozen=True)
 class UpConfig:
     decoders: int = option(1, "decode workers")
     drafters: int = option(1, "drafter instances (with --speculative-algorithm)")
@@ -85,8 +85,8 @@ class Configs:
             raise ValueError(
                 "--overlap overlaps drafting with verification: it needs --speculative-algorithm"
             )
-        self.gateway.model = model
-        self.tokenizer.model = model
+        self.gateway = replace(self.gateway, model=model)
+        self.tokenizer = replace(self.tokenizer, model=model)
         self.drafter = DrafterConfig(model, device, dtype)
         self.learner = LearnerConfig(model, device)
 
@@ -126,21 +126,13 @@ class Launcher:
             self._stop_all()
 
     async def _run(self) -> int:
-        up, transport = self.configs.up, self.configs.transport
-        nats_url = up.nats_url
+        nats_url = self.configs.up.nats_url
         # Servers we start get secrets of this run: no other local user gets in.
         if nats_url is None:
             nats_url = self._serve_nats()
-        if transport.kv_transport == "redis" and transport.redis_url is None:
-            transport.redis_password = transport.redis_password or secrets.token_hex(24)
-            password = transport.redis_password
-            transport.redis_url = self._serve("valkey", start_valkey, password=password).url
-        if transport.kv_transport == "direct":  # the prefills' block servers
-            transport.kv_direct_secret = transport.kv_direct_secret or secrets.token_hex(24)
-        if transport.kv_namespace == DEFAULT_KV_NAMESPACE:
-            # Deployments on one host must not share (or clean up) each other's blocks.
-            transport.kv_namespace = f"{DEFAULT_KV_NAMESPACE}-{self.configs.gateway.port}"
-        transport.open().close()  # a bad transport option fails here, before any model loads
+        self.configs.transport = self._transport_of_this_run(self.configs.transport)
+        # a bad transport option fails here, before any model loads
+        self.configs.transport.open().close()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -171,7 +163,7 @@ class Launcher:
         for instance in sorted(self.children):
             metrics = seen.get(instance) or ""
             lines.append(f"  {instance:<12} pid {self.children[instance].proc.pid}  {metrics}")
-        if up.metrics:  # restarts are counted here
+        if self.configs.up.metrics:  # restarts are counted here
             server, _ = start_http_server(0, addr="127.0.0.1")
             url = f"http://127.0.0.1:{server.server_port}/metrics"
             lines.append(f"  {'specmesh-up':<12} pid {os.getpid()}  {url}")
@@ -197,6 +189,21 @@ class Launcher:
         for user, password in passwords.items():
             self.configs.nats_users[user] = replace(nats, nats_user=user, nats_password=password)
         return self._serve("nats-server", start_nats, users=nats_users(passwords)).url
+
+    def _transport_of_this_run(self, transport: TransportConfig) -> TransportConfig:
+        """With the store we start, secrets of this run and a namespace of its own."""
+        if transport.kv_transport == "redis" and transport.redis_url is None:
+            password = transport.redis_password or secrets.token_hex(24)
+            url = self._serve("valkey", start_valkey, password=password).url
+            transport = replace(transport, redis_password=password, redis_url=url)
+        if transport.kv_transport == "direct":  # the prefills' block servers
+            secret = transport.kv_direct_secret or secrets.token_hex(24)
+            transport = replace(transport, kv_direct_secret=secret)
+        if transport.kv_namespace == DEFAULT_KV_NAMESPACE:
+            # Deployments on one host must not share (or clean up) each other's blocks.
+            namespace = f"{DEFAULT_KV_NAMESPACE}-{self.configs.gateway.port}"
+            transport = replace(transport, kv_namespace=namespace)
+        return transport
 
     def _serve(
         self, name: str, start: Callable[..., ServerProcess], **options: Any
@@ -226,7 +233,7 @@ class Launcher:
             for i in range(count):
                 instance = f"{kind}-{i}"
                 placement = cores[instance]
-                placement.nice = niceness.get(kind, placement.nice)
+                placement = replace(placement, nice=niceness.get(kind, placement.nice))
                 argv = [sys.executable, "-m", f"specmesh.services.{kind}", "--nats-url", nats_url]
                 argv += ["--instance-id", instance, *self.configs.service_argv(kind)]
                 argv += dataclass_argv(placement)

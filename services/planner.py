@@ -34,7 +34,7 @@ HEARTBEAT_WAIT_S = 2.5  # every live instance heartbeats within this (1 s interv
 Samples = dict[str, float]  # sample name -> value, summed over label sets
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlanConfig:
     nats_url: str = option("nats://127.0.0.1:4222", "NATS server(s), comma-separated")
     window: float = option(30.0, "seconds of live load to measure")

@@ -48,7 +48,7 @@ class NoResponders(BusError):
     """Nobody serves the subject (right now)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class NatsAuth:
     """How a process proves who it is to NATS and encrypts the connection (all optional;
     a `tls://` URL turns TLS on with the system's CAs)."""

@@ -158,7 +158,7 @@ def model_option() -> Any:
     )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class SGLangFlags:
     """SGLang options without a counterpart here, accepted so that an SGLang launch command
     starts us unchanged; each help says what it does here."""
@@ -202,7 +202,10 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
     """Expose each field of a config dataclass as `--field-name`, with its help text,
     default, choices, and a matching environment variable `SPECMESH_FIELD_NAME`, in an
     argument group of its own. An option that several configs share (`--model`) is added
-    once and fills all of them."""
+    once and fills all of them. Configs are frozen: what a process was started with is what
+    it runs with (a change is a `dataclasses.replace`, made before the config is handed on)."""
+    if not cls.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        raise TypeError(f"{cls.__name__} holds options: declare it @dataclass(frozen=True)")
     hints = typing.get_type_hints(cls)
     present = {action.dest for action in parser._actions}
     group = parser.add_argument_group(option_group_title(cls))

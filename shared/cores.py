@@ -25,7 +25,7 @@ COMPUTING = ("decode", "prefill", "drafter", "learner")
 CGROUP = Path("/sys/fs/cgroup")  # this process's cgroup, where cgroup v2 is mounted
 
 
-@dataclass
+@dataclass(frozen=True)
 class CoresConfig:
     cpus: str | None = option(
         None, "CPUs this process runs on, as a cpuset list (0-3,8); default: all it may use"

@@ -24,7 +24,7 @@ IDS = ("request_id", "trace_id")
 FIELDS = (*IDS, "method", "path", "status", "duration_ms")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LogConfig:
     """Options of every process (`--log-level` is also SGLang's flag)."""
 

@@ -75,7 +75,7 @@ GATEWAY_TIMEOUT_S = 10.0  # a gateway silent this long has lost its clients' req
 _WILDCARDS = ("", "0.0.0.0", "::")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServiceConfig(NatsAuth):
     nats_url: str = option(
         "nats://127.0.0.1:4222",

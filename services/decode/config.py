@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from specmesh.shared.config import option
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecodeConfig:
     overlap: bool = option(
         False,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator
 from pathlib import Path
@@ -84,7 +85,7 @@ class DecodeService(EngineService):
         dcfg: DecodeConfig,
     ) -> None:
         super().__init__(cfg)
-        ecfg.model = str(resolve_model(ecfg.model))
+        ecfg = dataclasses.replace(ecfg, model=str(resolve_model(ecfg.model)))
         self.spec = spec.resolved(ecfg.model) if spec.enabled else None
         self.transport = tcfg.open(cfg.nats_url)
         self.streams: dict[str, asyncio.Task[None]] = {}

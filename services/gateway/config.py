@@ -11,7 +11,7 @@ from specmesh.shared.parsers.tools import TOOL_PARSERS
 ROUTER_POLICIES = ("load", "kv-aware")  # services/gateway/router.py
 
 
-@dataclass
+@dataclass(frozen=True)
 class GatewayConfig:
     host: str = option("127.0.0.1", "HTTP address to listen on")
     port: int = option(8000, "HTTP port")

@@ -11,7 +11,7 @@ from specmesh.shared.config import device_option, model_option, option
 DEFAULT_ONLINE_DIR = Path.home() / ".cache" / "specmesh" / "online"
 
 
-@dataclass
+@dataclass(frozen=True)
 class LearnerConfig:
     """The target (its embeddings serve the head) and the device; training is float32."""
 
@@ -19,7 +19,7 @@ class LearnerConfig:
     device: str | None = device_option()
 
 
-@dataclass
+@dataclass(frozen=True)
 class OnlineLearningConfig:
     """How the learner trains and keeps versions (`specmesh up` passes them on)."""
 

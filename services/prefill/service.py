@@ -121,7 +121,7 @@ class PrefillService(EngineService):
         super().__init__(cfg)
         self.max_queued = pcfg.max_queued_requests
         self.running: dict[str, asyncio.Task[PrefillReply]] = {}  # request id -> handler
-        ecfg.model = str(resolve_model(ecfg.model))
+        ecfg = dataclasses.replace(ecfg, model=str(resolve_model(ecfg.model)))
         features: tuple[tuple[int, ...], bool] = ((), False)
         if spec.enabled:
             features = drafter_target_features(spec.resolved(ecfg.model), ecfg.model)

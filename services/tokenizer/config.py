@@ -9,7 +9,7 @@ from specmesh.shared.config import model_option, option
 from specmesh.shared.multimodal.preprocess import DEFAULT_MAX_IMAGE_PIXELS
 
 
-@dataclass
+@dataclass(frozen=True)
 class TokenizerConfig:
     model: str | None = model_option()
     chat_template: str | None = option(

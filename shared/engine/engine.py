@@ -47,7 +47,7 @@ from specmesh.shared.speculative.factory import make_drafter
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     """Engine settings; each field is also a command-line option (see shared.config)."""
 

@@ -40,7 +40,7 @@ def shipped_drafter(model: str | None, algorithm: str) -> str | None:
     return str(HEADS_DIR / name)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SpeculativeConfig:
     """Each field is also a command-line option (`--speculative-...`)."""
 

@@ -77,7 +77,7 @@ log = logging.getLogger(__name__)
 TRAINABLE = ("EAGLE3", "EAGLE", "NEXTN", "DFLASH", "STANDALONE")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainDraftConfig:
     """Each field is also a `specmesh train-draft` option."""
 

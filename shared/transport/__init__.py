@@ -69,7 +69,7 @@ def make_transport(
 DEFAULT_KV_NAMESPACE = "specmesh"
 
 
-@dataclass
+@dataclass(frozen=True)
 class TransportConfig:
     kv_transport: str = option(
         "shm",
