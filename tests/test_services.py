@@ -19,7 +19,6 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-import specmesh.shared.speculative
 from deployment import (
     chat,
     chat_text,
@@ -35,7 +34,7 @@ from otlp_receiver import OtlpReceiver
 from specmesh.shared.engine.engine import EngineConfig, LLMEngine
 from specmesh.shared.infra import ServerProcess, start_nats, start_valkey
 from specmesh.shared.sampling.params import SamplingParams
-from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.speculative.config import SpeculativeConfig, shipped_drafter
 from specmesh.shared.tokenizer import Tokenizer
 
 PROMPTS = [
@@ -187,7 +186,7 @@ def test_sglang_dashboard_series_are_served(ngram: tuple[str, str], smollm_dir: 
 def test_an_sglang_launch_command_starts_us_unchanged(smollm_dir: Path) -> None:
     """SGLang's EAGLE-3 example (docs/advanced_features/speculative_decoding), its model and
     draft paths aside: GPU-only flags are accepted, `--mem-fraction` abbreviated as there."""
-    head = Path(specmesh.shared.speculative.__file__).parent / "heads" / f"{smollm_dir.name}-EAGLE3"
+    head = shipped_drafter(str(smollm_dir), "EAGLE3")
     sglang = (
         f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {head} "
         "--speculative-num-steps 5 --speculative-eagle-topk 8 --speculative-num-draft-tokens 32 "

@@ -18,7 +18,7 @@ from specmesh.shared.model.config import ModelConfig
 from specmesh.shared.model.llama import LlamaForCausalLM
 from specmesh.shared.model.loader import load_model
 from specmesh.shared.sampling.params import SamplingParams
-from specmesh.shared.speculative.config import SpeculativeConfig
+from specmesh.shared.speculative.config import HEADS_DIR, SpeculativeConfig
 from specmesh.shared.speculative.eagle import (
     EagleHead,
     HeadSpec,
@@ -41,7 +41,6 @@ from specmesh.shared.training.train_draft import (
 )
 
 HELDOUT = Path(__file__).parents[1] / "benchmarks" / "prompts" / "chat_heldout.json"
-HEADS = Path(__file__).parents[1] / "shared" / "speculative" / "heads"
 
 
 def tiny_target(path: Path, smollm_dir: Path) -> Path:
@@ -392,25 +391,28 @@ def test_on_policy_roots_prefer_short_chains_and_steps_count_where_chains_reach(
 def test_init_refuses_a_drafter_that_does_not_fit(tiny: Path, tmp_path: Path) -> None:
     """Each refusal comes before any data is generated (the out directory stays empty)."""
     cases = [
-        ({"init": str(HEADS / "SmolLM2-135M-Instruct-DFLASH")}, "is a DFLASH drafter; --algo"),
+        ({"init": str(HEADS_DIR / "SmolLM2-135M-Instruct-DFLASH")}, "is a DFLASH drafter; --algo"),
         (
-            {"init": str(HEADS / "SmolLM2-135M-Instruct-EAGLE3"), "target": str(tiny)},
+            {"init": str(HEADS_DIR / "SmolLM2-135M-Instruct-EAGLE3"), "target": str(tiny)},
             "reads hidden size 576; the target's is 64",
         ),
         (
-            {"init": str(HEADS / "SmolLM2-135M-Instruct-EAGLE3"), "draft_vocab_size": 1024},
+            {"init": str(HEADS_DIR / "SmolLM2-135M-Instruct-EAGLE3"), "draft_vocab_size": 1024},
             "give --draft-vocab-size 8192",
         ),
         (
             {
-                "init": str(HEADS / "SmolLM2-135M-Instruct-DFLASH"),
+                "init": str(HEADS_DIR / "SmolLM2-135M-Instruct-DFLASH"),
                 "algorithm": "DFLASH",
                 "draft_layers": 2,
             },
             "reads target layers [1, 14, 27] in blocks of 8; --draft-layers 2",
         ),
         (
-            {"init": str(HEADS / "SmolLM2-135M-Instruct-STANDALONE"), "algorithm": "STANDALONE"},
+            {
+                "init": str(HEADS_DIR / "SmolLM2-135M-Instruct-STANDALONE"),
+                "algorithm": "STANDALONE",
+            },
             "give --draft-layers 4 --draft-hidden-size 160",
         ),
         ({"init": str(tmp_path)}, "no config.json"),

@@ -13,9 +13,30 @@ ALIASES = {"MTP": "NEXTN"}  # SGLang's names for the same algorithm
 # Drafters that grow one chain: a draft step's top-1 only (SGLang: topk 1).
 CHAIN_ONLY = ("NEXTN", "DFLASH")
 ONLINE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")  # drafters a learner trains from served traffic
-# Drafters trained here for the default model (see heads/*/README.md for how each was made).
-HEADS_DIR = Path(__file__).parent / "heads"
-SHIPPED = {p.name for p in HEADS_DIR.glob("*") if (p / "config.json").is_file()}
+
+
+def _drafters() -> Path | None:
+    """The drafters trained here for the default model: the package `specmesh.drafters` (the
+    repository's folder drafters/, its own distribution `specmesh-drafters`; each drafter's
+    README.md says how it was made). None where it is not installed."""
+    try:
+        import specmesh.drafters
+    except ModuleNotFoundError as exc:
+        if exc.name != "specmesh.drafters":
+            raise
+        return None
+    return Path(specmesh.drafters.__file__).parent
+
+
+HEADS_DIR = _drafters()
+SHIPPED = (
+    {p.name for p in HEADS_DIR.glob("*") if (p / "config.json").is_file()} if HEADS_DIR else set()
+)
+DRAFTERS_MISSING = (
+    f"the drafters trained for {DEFAULT_MODEL_NAME} are not installed: pip install "
+    "specmesh-drafters (from the repository: pip install ./drafters), or give "
+    "--speculative-draft-model-path"
+)
 # The token map `specmesh train-draft` writes beside EAGLE heads and MTP layers (FR-Spec:
 # the ids the target chose most often in the training data).
 HOT_TOKENS = "hot_tokens.json"
@@ -32,12 +53,18 @@ def trained_block_size(draft: str) -> int | None:
     return int(size) if isinstance(size, int) else None
 
 
-def shipped_drafter(model: str | None, algorithm: str) -> str | None:
-    """The shipped drafter for `algorithm` if `model` is the default one (None means it)."""
-    name = f"{DEFAULT_MODEL_NAME}-{algorithm}"
-    if model is not None and Path(model).name != DEFAULT_MODEL_NAME or name not in SHIPPED:
+def shipped_drafter(model: str | None, algorithm: str, missing_ok: bool = False) -> str | None:
+    """The shipped drafter for `algorithm` if `model` is the default one (None means it), or
+    None where none ships. Without specmesh-drafters installed: a ValueError that says how to
+    install it (`missing_ok`: None)."""
+    if model is not None and Path(model).name != DEFAULT_MODEL_NAME or algorithm == "NGRAM":
         return None
-    return str(HEADS_DIR / name)
+    if HEADS_DIR is None:
+        if missing_ok:
+            return None
+        raise ValueError(DRAFTERS_MISSING)
+    name = f"{DEFAULT_MODEL_NAME}-{algorithm}"
+    return str(HEADS_DIR / name) if name in SHIPPED else None
 
 
 @dataclass(frozen=True)
@@ -114,7 +141,8 @@ class SpeculativeConfig:
         algo = ALIASES.get(algo.upper(), algo.upper())
         if algo not in ALGORITHMS:
             raise ValueError(f"--speculative-algorithm must be one of {ALGORITHMS}, got {algo!r}")
-        shipped = shipped_drafter(model, algo)
+        # the shipped drafter: the default, and its token map also where the path given is it
+        shipped = shipped_drafter(model, algo, missing_ok=bool(self.speculative_draft_model_path))
         draft = self.speculative_draft_model_path or shipped
         token_map = self.speculative_token_map
         if token_map is None and shipped and draft == shipped:
