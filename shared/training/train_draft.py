@@ -18,9 +18,10 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 from specmesh.shared.config import model_option, option, resolve_device
@@ -157,7 +158,9 @@ class TrainDraftConfig:
     device: str | None = option(None, "cpu or cuda (default: cuda when available)")
 
     def checked(self) -> TrainDraftConfig:
-        self.algorithm = self.algorithm.upper()
+        """This config with the algorithm's name in capitals, once every option is valid."""
+        if self.algorithm != self.algorithm.upper():
+            return dataclasses.replace(self, algorithm=self.algorithm.upper()).checked()
         if self.algorithm not in TRAINABLE:
             raise ValueError(f"--algorithm must be one of {TRAINABLE}, got {self.algorithm!r}")
         if not self.out:
@@ -534,22 +537,16 @@ def student_trainee(
 
 
 @torch.no_grad()
-def evaluate(
-    trainee: Trainee,
-    samples: list[Sample],
-    views: TargetViews,
-    batches: list[list[int]],
-    device: torch.device,
-) -> tuple[float, float]:
+def evaluate(run: Run, batches: list[list[int]]) -> tuple[float, float]:
     """Held-out (loss, acceptance length of greedy chain drafting)."""
-    trainee.module.eval()
+    run.trainee.module.eval()
     losses, corrects, valids = [], [], []
     for idx in batches:
-        r = trainee.loss(collate(samples, views, idx, device), Roots())
+        r = run.trainee.loss(collate(run.samples, run.views, idx, run.device), Roots())
         losses.append(r.loss.item())
         corrects.append(r.correct)
         valids.append(r.valid)
-    trainee.module.train()
+    run.trainee.module.train()
     return sum(losses) / max(1, len(losses)), acceptance_length(
         torch.cat(corrects), torch.cat(valids)
     )
@@ -575,27 +572,50 @@ def feature_layers(cfg: TrainDraftConfig, num_layers: int) -> tuple[tuple[int, .
 def train_draft(cfg: TrainDraftConfig) -> Path:
     """Run every stage; returns the directory of the trained drafter."""
     cfg = cfg.checked()
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    device = resolve_device(cfg.device)
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
     target_dir = resolve_model(cfg.target)
     tokenizer = Tokenizer(target_dir)
     target_config = ModelConfig.from_file(target_dir / "config.json")
-    num_layers = target_config.num_layers
-    layers, normed = feature_layers(cfg, num_layers)
+    features = feature_layers(cfg, target_config.num_layers)
     if cfg.init:
-        check_init(cfg, target_config, layers, normed)
-    capture = capture_layers(layers, normed, num_layers)
+        check_init(cfg, target_config, *features)
+    capture = capture_layers(*features, target_config.num_layers)
     count = generate_answers(cfg, target_dir, tokenizer, capture)
     if cfg.data_only:
-        return out / "data"
+        return Path(cfg.out) / "data"
     corpus = gather_samples(cfg, tokenizer, capture, count)
+    run = prepare_run(cfg, target_dir, tokenizer, corpus, features)
+    schedule = Schedule.of(cfg, run)
+    return save_drafter(cfg, run, schedule, train_steps(cfg, run, schedule))
+
+
+@dataclass
+class Run:
+    """What a training run trains, on what: the drafter and the samples with the target's
+    views of them, split into training and held-out prompts."""
+
+    trainee: Trainee
+    samples: list[Sample]
+    views: TargetViews
+    train: list[int]
+    held: list[int]
+    frequent: torch.Tensor  # the draft vocabulary (EAGLE-3) or the token map written beside
+    device: torch.device
+
+
+def prepare_run(
+    cfg: TrainDraftConfig,
+    target_dir: Path,
+    tokenizer: Tokenizer,
+    corpus: Corpus,
+    features: tuple[tuple[int, ...], bool],
+) -> Run:
     samples = corpus.samples
     held, train = split_heldout(corpus.prompts, cfg.heldout, cfg.seed)
+    device = resolve_device(cfg.device)
     target = load_model(target_dir, device, torch.float32).requires_grad_(False)
-    views = TargetViews(target, samples, corpus.captures, corpus.greedy, layers, normed)
+    views = TargetViews(target, samples, corpus.captures, corpus.greedy, *features)
     init = load_init(cfg, target) if cfg.init else None
-    # EAGLE-3's draft vocabulary; for the others the token map written beside the drafter.
     frequent = kept_vocab(cfg, init, target.config.vocab_size)
     if frequent is None:
         frequent = draft_vocab(
@@ -609,97 +629,165 @@ def train_draft(cfg: TrainDraftConfig) -> Path:
     elif cfg.algorithm == "STANDALONE":
         trainee = student_trainee(cfg, target, frequent, target_dir, init)
     else:
-        trainee = eagle_trainee(cfg, target, frequent, (layers, normed), target_dir, init)
-    module = trainee.module.to(device).train()
+        trainee = eagle_trainee(cfg, target, frequent, features, target_dir, init)
+    trainee.module.to(device).train()
+    return Run(trainee, samples, views, train, held, frequent, device)
 
-    @lru_cache(maxsize=1)
-    def train_batches(epoch: int) -> list[list[int]]:
-        return make_batches(samples, train, cfg.batch_tokens, cfg.seed + epoch)
 
-    held_batches = make_batches(samples, held, cfg.batch_tokens, cfg.seed)
-    per_epoch = len(train_batches(0))
-    main = max(1, int(per_epoch * cfg.epochs))  # then the on-policy stage's steps
-    total = main + int(per_epoch * cfg.on_policy_epochs)
-    opt = torch.optim.AdamW(module.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    state_path = out / "train_state.pt"
-    step, history = 0, []
-    if state_path.exists():
-        state = torch.load(state_path, map_location=device, weights_only=False)
-        if state["config"] != asdict(cfg) | {"minutes": state["config"]["minutes"]}:
-            raise ValueError(
-                f"{state_path} was written with other options; remove it to start over"
-            )
-        module.load_state_dict(state["head"])
-        opt.load_state_dict(state["optimizer"])
-        step, history = state["step"], state["history"]
-        log.info("resuming at step %d of %d", step, total)
+@dataclass
+class Schedule:
+    """Steps: `main` over the training prompts (`--epochs`), then the on-policy stage's, up
+    to `total`."""
 
-    def save_state() -> None:
-        torch.save(
-            {
-                "config": asdict(cfg),
-                "head": module.state_dict(),
-                "optimizer": opt.state_dict(),
-                "step": step,
-                "history": history,
-            },
-            state_path,
+    per_epoch: int
+    main: int
+    total: int
+    batches: Callable[[int], list[list[int]]]  # an epoch's batches, shuffled by its number
+
+    @classmethod
+    def of(cls, cfg: TrainDraftConfig, run: Run) -> Schedule:
+        @lru_cache(maxsize=1)
+        def batches(epoch: int) -> list[list[int]]:
+            return make_batches(run.samples, run.train, cfg.batch_tokens, cfg.seed + epoch)
+
+        per_epoch = len(batches(0))
+        main = max(1, int(per_epoch * cfg.epochs))
+        return cls(per_epoch, main, main + int(per_epoch * cfg.on_policy_epochs), batches)
+
+    def batch_at(self, step: int) -> list[int]:
+        epoch, within = divmod(step, self.per_epoch)
+        return self.batches(epoch)[within]
+
+
+@dataclass
+class Progress:
+    """Where training is: its step and held-out measures so far (what a checkpoint keeps
+    beside the weights and the optimizer)."""
+
+    step: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    def record(self, loss: float, acceptance: float) -> None:
+        self.history.append(
+            {"step": self.step, "heldout_loss": loss, "heldout_acceptance": acceptance}
         )
+        log.info("step %d: held-out loss %.3f, acceptance length %.3f", self.step, loss, acceptance)
 
-    held_loss, held_acc = evaluate(trainee, samples, views, held_batches, device)
-    if not history:
-        history.append({"step": 0, "heldout_loss": held_loss, "heldout_acceptance": held_acc})
-    log.info("held-out at step %d: loss %.3f, acceptance length %.3f", step, held_loss, held_acc)
-    generator = torch.Generator(device).manual_seed(cfg.seed + step)
+
+def load_checkpoint(
+    cfg: TrainDraftConfig, run: Run, opt: torch.optim.Optimizer, total: int
+) -> Progress:
+    """Resume from `--out`'s train_state.pt, if there is one of these options."""
+    path = Path(cfg.out) / "train_state.pt"
+    if not path.exists():
+        return Progress()
+    state = torch.load(path, map_location=run.device, weights_only=False)
+    if _run_options(state["config"]) != _run_options(asdict(cfg)):
+        raise ValueError(f"{path} was written with other options; remove it to start over")
+    run.trainee.module.load_state_dict(state["head"])
+    opt.load_state_dict(state["optimizer"])
+    log.info("resuming at step %d of %d", state["step"], total)
+    return Progress(state["step"], state["history"])
+
+
+def _run_options(options: dict[str, Any]) -> dict[str, Any]:
+    """What a resumed run must share with its checkpoint's: not its time limit or device,
+    and of `--init` only the drafter's name (the folder may have moved)."""
+    init = options["init"] and Path(options["init"]).name
+    return {k: v for k, v in options.items() if k not in ("minutes", "device")} | {"init": init}
+
+
+def save_checkpoint(
+    cfg: TrainDraftConfig, run: Run, opt: torch.optim.Optimizer, progress: Progress
+) -> None:
+    state = {
+        "config": asdict(cfg),
+        "head": run.trainee.module.state_dict(),
+        "optimizer": opt.state_dict(),
+        "step": progress.step,
+        "history": progress.history,
+    }
+    torch.save(state, Path(cfg.out) / "train_state.pt")
+
+
+def train_steps(cfg: TrainDraftConfig, run: Run, schedule: Schedule) -> Progress:
+    """Train until the schedule ends or `--minutes` pass, checkpointing on the way."""
+    module = run.trainee.module
+    opt = torch.optim.AdamW(module.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    progress = load_checkpoint(cfg, run, opt, schedule.total)
+    held_batches = make_batches(run.samples, run.held, cfg.batch_tokens, cfg.seed)
+    held_loss, held_acc = evaluate(run, held_batches)
+    if progress.history:
+        log.info("held-out at step %d: acceptance length %.3f", progress.step, held_acc)
+    else:
+        progress.record(held_loss, held_acc)
+    generator = torch.Generator(run.device).manual_seed(cfg.seed + progress.step)
     started = time.monotonic()
-    bar = tqdm(total=total, initial=step, desc=f"train {cfg.algorithm}", unit="step")
-    while step < total:
-        epoch, within = divmod(step, per_epoch)
-        # past the main stage, the learning rate stays at its end: a tenth of the peak
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, main, cfg.lr)
-        batch = collate(samples, views, train_batches(epoch)[within], device)
-        roots = Roots(cfg.root_fraction, generator)
-        if step >= main:
-            roots.preference = chain_preference(trainee, batch)
+    bar = tqdm(
+        total=schedule.total, initial=progress.step, desc=f"train {cfg.algorithm}", unit="step"
+    )
+    while progress.step < schedule.total:
+        loss = train_step(
+            cfg, run, schedule, opt, progress.step, Roots(cfg.root_fraction, generator)
+        )
+        progress.step += 1
+        if progress.step > schedule.main:
             bar.set_description(f"on-policy {cfg.algorithm}")
-        result = trainee.loss(batch, roots)
-        opt.zero_grad(set_to_none=True)
-        result.loss.backward()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), 0.5)
-        opt.step()
-        step += 1
         bar.update(1)
-        bar.set_postfix(loss=f"{result.loss.item():.3f}", heldout_acc=f"{held_acc:.2f}")
+        bar.set_postfix(loss=f"{loss:.3f}", heldout_acc=f"{held_acc:.2f}")
+        step = progress.step
         timed_out = cfg.minutes is not None and time.monotonic() - started > cfg.minutes * 60
-        if step % cfg.eval_every == 0 or step in (main, total) or timed_out:
-            held_loss, held_acc = evaluate(trainee, samples, views, held_batches, device)
-            history.append(
-                {"step": step, "heldout_loss": held_loss, "heldout_acceptance": held_acc}
-            )
-            log.info(
-                "step %d: held-out loss %.3f, acceptance length %.3f", step, held_loss, held_acc
-            )
-        if step % cfg.save_every == 0 or step == total or timed_out:
-            save_state()
+        if step % cfg.eval_every == 0 or step in (schedule.main, schedule.total) or timed_out:
+            held_loss, held_acc = evaluate(run, held_batches)
+            progress.record(held_loss, held_acc)
+        if step % cfg.save_every == 0 or step == schedule.total or timed_out:
+            save_checkpoint(cfg, run, opt, progress)
         if timed_out:
-            log.info("--minutes %s reached at step %d of %d", cfg.minutes, step, total)
+            log.info("--minutes %s reached at step %d of %d", cfg.minutes, step, schedule.total)
             break
     bar.close()
-    head_dir = out / "head"
-    trainee.save(head_dir)
+    return progress
+
+
+def train_step(
+    cfg: TrainDraftConfig,
+    run: Run,
+    schedule: Schedule,
+    opt: torch.optim.Optimizer,
+    step: int,
+    roots: Roots,
+) -> float:
+    """One optimizer step; past the main stage, on-policy (roots where the drafter's own
+    chains end) at the end learning rate, a tenth of the peak."""
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, schedule.main, cfg.lr)
+    batch = collate(run.samples, run.views, schedule.batch_at(step), run.device)
+    if step >= schedule.main:
+        roots.preference = chain_preference(run.trainee, batch)
+    result = run.trainee.loss(batch, roots)
+    opt.zero_grad(set_to_none=True)
+    result.loss.backward()
+    torch.nn.utils.clip_grad_norm_(run.trainee.module.parameters(), 0.5)
+    opt.step()
+    return result.loss.item()
+
+
+def save_drafter(cfg: TrainDraftConfig, run: Run, schedule: Schedule, progress: Progress) -> Path:
+    """The drafter in its serving layout under `--out`/head, with how it was trained."""
+    head_dir = Path(cfg.out) / "head"
+    run.trainee.save(head_dir)
     if cfg.algorithm != "EAGLE3":  # scoring only the frequent rows of the LM head drafts faster
-        (head_dir / HOT_TOKENS).write_text(json.dumps(frequent.tolist()) + "\n")
+        (head_dir / HOT_TOKENS).write_text(json.dumps(run.frequent.tolist()) + "\n")
     report = {
         "algorithm": cfg.algorithm,
         "options": asdict(cfg),
-        "samples": len(samples),
-        "train_tokens": sum(len(samples[i].ids) for i in train),
-        "steps": step,
-        "total_steps": total,
-        "on_policy_from_step": main,
-        "history": history,
-        "heldout_acceptance": history[-1]["heldout_acceptance"],
+        "samples": len(run.samples),
+        "train_tokens": sum(len(run.samples[i].ids) for i in run.train),
+        "steps": progress.step,
+        "total_steps": schedule.total,
+        "on_policy_from_step": schedule.main,
+        "history": progress.history,
+        "heldout_acceptance": progress.history[-1]["heldout_acceptance"],
     }
     (head_dir / "training.json").write_text(json.dumps(report, indent=2) + "\n")
     return head_dir
