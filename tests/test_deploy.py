@@ -26,7 +26,7 @@ import sysconfig
 import time
 import tomllib
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,10 +101,11 @@ HCL = hcl2.SerializationOptions(
 )
 
 
-def _option_variables() -> set[str]:
-    """Every SPECMESH_* variable some service reads (secrets also as *_FILE)."""
+def _option_variables(configs: Iterable[type] = CONFIGS) -> set[str]:
+    """Every SPECMESH_* variable some service reads (secrets also as *_FILE), or one that
+    reads `configs`."""
     names = set(OTHER_VARIABLES)
-    for cls in CONFIGS:
+    for cls in configs:
         for f in dataclasses.fields(cls):
             names.add(env_name(f.name))
             if f.metadata.get("secret"):
