@@ -1,8 +1,8 @@
 """The gateway's FastAPI app: the OpenAI API over the services (see cluster.py).
 
-Here: the middleware (API key, body limit), OpenAI error JSON for every error (see
-errors.py), and the small routes (probes, metrics, version, models, server and model info). The
-generation routes live beside their request logic, in chat.py and completions.py; what
+Here: the middleware (API key, body limit) and OpenAI error JSON for every error (see
+errors.py); the small routes (probes, metrics, version, models, server and model info) are in
+info.py. The generation routes live beside their request logic, in chat.py and completions.py; what
 they share (starting a request, collected and SSE responses) in respond.py. A request
 becomes one sequence per choice and prompt; a client that goes away, streaming or not,
 aborts its sequences in every service.
@@ -11,25 +11,22 @@ aborts its sequences in every service.
 from __future__ import annotations
 
 import hmac
-import importlib.metadata
 import logging
-import time
 from pathlib import Path
-from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from specmesh.services.gateway.access import AccessLog
 from specmesh.services.gateway.chat import chat_routes
 from specmesh.services.gateway.cluster import Cluster
 from specmesh.services.gateway.completions import completion_routes
 from specmesh.services.gateway.config import GatewayConfig
 from specmesh.services.gateway.errors import APIError, error_response
+from specmesh.services.gateway.info import info_routes
 from specmesh.services.gateway.native import native_routes
 from specmesh.services.gateway.responses import response_routes
-from specmesh.shared.config import DEFAULT_MODEL_NAME, default_model_dir
+from specmesh.shared.config import default_model_dir
 from specmesh.shared.parsers.reasoning import make_reasoning_parser
 from specmesh.shared.parsers.tools import make_tool_parser, tool_parser_for_template
 from specmesh.shared.tokenizer import read_chat_template
@@ -40,18 +37,6 @@ log = logging.getLogger(__name__)
 
 # Probes and scrapers reach these without the API key; nothing else.
 OPEN_PATHS = frozenset({"/live", "/health", "/metrics"})
-
-
-def _package_version() -> str:
-    """The installed distribution's version; "unknown" where the source tree runs without
-    being installed (PYTHONPATH, as scripts/gpu-check runs it)."""
-    try:
-        return importlib.metadata.version("specmesh")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-VERSION = _package_version()
 
 
 class Guard:
@@ -127,7 +112,17 @@ def build_app(cluster: Cluster, cfg: GatewayConfig) -> FastAPI:
     app = FastAPI(title="specmesh", summary="OpenAI-compatible API with speculative decoding")
     app.add_middleware(Guard, api_key=cfg.api_key, max_body=cfg.max_request_bytes)
     app.add_middleware(AccessLog, untraced=OPEN_PATHS)  # outermost: logs Guard's refusals
-    created = int(time.time())
+    _answer_errors_as_openai(app)
+    app.include_router(info_routes(cluster, cfg))
+    app.include_router(chat_routes(cluster, model_name, tool_parser, reasoning))
+    app.include_router(completion_routes(cluster, model_name))
+    app.include_router(native_routes(cluster, model_name))
+    app.include_router(response_routes(cluster, model_name, tool_parser, reasoning))
+    return app
+
+
+def _answer_errors_as_openai(app: FastAPI) -> None:
+    """Every error, ours or the framework's, as OpenAI error JSON."""
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -147,80 +142,3 @@ def build_app(cluster: Cluster, cfg: GatewayConfig) -> FastAPI:
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         return error_response(500, f"internal error: {type(exc).__name__}")
-
-    @app.get("/live")
-    async def live() -> dict[str, str]:
-        """Liveness: 200 while this process serves HTTP, workers or not (restarting the gateway
-        would not bring them back; /health is readiness)."""
-        return {"status": "ok"}
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        """Ready when a decode worker is alive (503 otherwise, so orchestrators wait)."""
-        workers = len(cluster.live("decode"))
-        body = {"status": "ok" if workers else "no decode workers", "decode_workers": workers}
-        return JSONResponse(body, status_code=200 if workers else 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        """The package version, in vLLM's shape (SGLang puts it in /get_server_info)."""
-        return {"version": VERSION}
-
-    @app.get("/get_server_info")
-    async def server_info() -> dict[str, Any]:
-        """State in SGLang's shape (bench_serving reads avg_spec_accept_length)."""
-        decoders = [i.heartbeat for i in cluster.live("decode")]
-        stats = cluster.stats
-        state: dict[str, Any] = {
-            "finished_requests": stats.requests,
-            "generated_tokens": stats.generated_tokens,
-            "kv_blocks_free": sum(h.kv_blocks_free for h in decoders),
-            "kv_blocks_total": sum(h.kv_blocks_total for h in decoders),
-            "instances": {kind: len(cluster.live(kind)) for kind in ("decode", "drafter")},
-        }
-        algorithms = {h.algorithm for h in decoders if h.algorithm}
-        if algorithms:
-            state.update(
-                speculative_algorithm=",".join(sorted(algorithms)),
-                avg_spec_accept_length=stats.spec.acceptance_length,
-                spec_verify_steps=stats.spec.steps,
-                spec_draft_tokens=stats.spec.draft_tokens,
-                spec_accepted_tokens=stats.spec.accepted_tokens,
-            )
-        path = cfg.model or DEFAULT_MODEL_NAME
-        return {"model_path": path, "internal_states": [state], "version": VERSION}
-
-    def model_card() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "specmesh"}
-        return {**card, "root": model_name, "max_model_len": cluster.max_model_len()}
-
-    @app.get("/get_model_info")
-    async def model_info() -> dict[str, Any]:
-        """SGLang's model info endpoint."""
-        path = cfg.model or DEFAULT_MODEL_NAME
-        return {
-            "model_path": path,
-            "tokenizer_path": path,
-            "is_generation": True,
-            "max_model_len": cluster.max_model_len(),
-        }
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> dict[str, Any]:
-        if model_id != model_name:
-            raise APIError(404, f"model {model_id!r} not found", "model")
-        return model_card()
-
-    app.include_router(chat_routes(cluster, model_name, tool_parser, reasoning))
-    app.include_router(completion_routes(cluster, model_name))
-    app.include_router(native_routes(cluster, model_name))
-    app.include_router(response_routes(cluster, model_name, tool_parser, reasoning))
-    return app

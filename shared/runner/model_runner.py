@@ -15,8 +15,8 @@ from specmesh.shared.model.gated_deltanet import LinearMetadata
 from specmesh.shared.model.layers import pack_linears
 from specmesh.shared.model.llama import LlamaForCausalLM
 from specmesh.shared.runner.cuda_graph import DecodeGraphs
-from specmesh.shared.runner.images import step_embeds
 from specmesh.shared.runner.logits import sampled_logits
+from specmesh.shared.runner.step_batch import StepBatch
 from specmesh.shared.sampling.sampler import SampleOutput, Sampler, position_generator
 
 
@@ -125,67 +125,68 @@ class ModelRunner:
     ) -> StepOutput:
         """Compute `num` more tokens of each sequence; sample for those that reach their end.
         A sequence with a draft tree instead forwards the tree (root = its last token)."""
-        spans, input_ids, positions, sample_rows, tree_rows = [], [], [], [], []
-        image_rows: list[int] = []
-        image_features: list[torch.Tensor] = []
-        sampled: list[Sequence] = []
-        first_row: dict[Sequence, int] = {}
-        for seq, num in batch:
-            start = seq.num_computed_tokens
-            first_row[seq] = len(input_ids)
-            tree = trees.get(seq)
-            if tree is not None:  # every node at its own depth, seeing only its ancestors
-                spans.append(SequenceSpan(seq.block_table, start, len(tree), tree.ancestor_mask()))
-                tree_rows += range(len(input_ids), len(input_ids) + len(tree))
-                input_ids += tree.tokens
-                positions += [start + depth for depth in tree.depths()]
-                continue
-            spans.append(SequenceSpan(seq.block_table, start, num))
-            if (images := step_embeds(self.model, seq, start, num, len(input_ids))) is not None:
-                image_rows += images[0]
-                image_features.append(images[1])
-            input_ids += seq.token_ids[start : start + num]
-            positions += range(start, start + num)
-            if start + num == len(seq):
-                sample_rows.append(len(input_ids) - 1)
-                sampled.append(seq)
-        embeds = None
-        if image_rows:
-            rows = torch.tensor(image_rows, dtype=torch.long, device=self.device)
-            embeds = (rows, torch.cat(image_features))
+        rows = StepBatch.of(self.model, batch, trees)
         linear = None
         if self.model.config.linear is not None:
-            linear = LinearMetadata.build(spans, self.kv_cache.block_size, self.device)
+            linear = LinearMetadata.build(rows.spans, self.kv_cache.block_size, self.device)
         logits, aux = self.forward(
-            spans,
-            input_ids,
-            positions,
-            sample_rows + tree_rows,
+            rows.spans,
+            rows.input_ids,
+            rows.positions,
+            rows.sample_rows + rows.tree_rows,
             self.feature_layers,
-            embeds,
+            rows.embeds(self.device),
             linear,
         )
-        node_states = {}
-        for (seq, _), first in zip(batch, linear.tree_first_kept if linear else (), strict=False):
-            if first is not None:
-                node_states[seq] = TreeStates(linear.kept, first)
-        tree_logits, row = {}, len(sample_rows)
+        tree_logits, row = {}, len(rows.sample_rows)
         for seq, tree in trees.items():
             tree_logits[seq] = logits[row : row + len(tree)]
             row += len(tree)
-        features = {}
-        if self.feature_layers:
-            # EAGLE reads the final normed hidden state; EAGLE-3 several layers side by side.
-            rows = self.model.norm(aux[0]) if self.feature_normed else torch.cat(aux, dim=-1)
-            for seq, num in batch:
-                n = len(trees[seq]) if seq in trees else num
-                features[seq] = rows[first_row[seq] : first_row[seq] + n]
-        samples = self.sampler.sample(
-            sampled_logits(logits[: len(sample_rows)], sampled, self.eos_token_ids),
+        return StepOutput(
+            rows.sampled,
+            self._sample(logits[: len(rows.sample_rows)], rows.sampled),
+            tree_logits,
+            self._features(aux, batch, trees, rows.first_row),
+            _node_states(batch, linear),
+        )
+
+    def _sample(self, logits: torch.Tensor, sampled: list[Sequence]) -> SampleOutput:
+        return self.sampler.sample(
+            sampled_logits(logits, sampled, self.eos_token_ids),
             [s.params for s in sampled],
             [s.prompt_ids for s in sampled],
             [s.output_ids for s in sampled],
             # A sequence samples once all its tokens are computed: the next is at len(s).
             [position_generator(s.params.seed, len(s), self.device) for s in sampled],
         )
-        return StepOutput(sampled, samples, tree_logits, features, node_states)
+
+    def _features(
+        self,
+        aux: list[torch.Tensor],
+        batch: list[tuple[Sequence, int]],
+        trees: dict[Sequence, DraftTree],
+        first_row: dict[Sequence, int],
+    ) -> dict[Sequence, torch.Tensor]:
+        """Per sequence, the target features of its rows (what EAGLE drafters read)."""
+        if not self.feature_layers:
+            return {}
+        # EAGLE reads the final normed hidden state; EAGLE-3 several layers side by side.
+        rows = self.model.norm(aux[0]) if self.feature_normed else torch.cat(aux, dim=-1)
+        features = {}
+        for seq, num in batch:
+            n = len(trees[seq]) if seq in trees else num
+            features[seq] = rows[first_row[seq] : first_row[seq] + n]
+        return features
+
+
+def _node_states(
+    batch: list[tuple[Sequence, int]], linear: LinearMetadata | None
+) -> dict[Sequence, TreeStates]:
+    """Hybrid models: per draft tree, its nodes' linear-attention states."""
+    if linear is None:
+        return {}
+    return {
+        seq: TreeStates(linear.kept, first)
+        for (seq, _), first in zip(batch, linear.tree_first_kept, strict=False)
+        if first is not None
+    }
