@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jsonschema_rs
 import pytest
+import torch
 from specmesh.shared.core.tree import DraftTree
 from specmesh.shared.engine.engine import EngineConfig, LLMEngine
 from specmesh.shared.parsers.tools import TOOL_PARSERS, make_tool_parser
@@ -113,6 +114,23 @@ def test_masks_after_each_node_of_a_draft_tree(compiler: GrammarCompiler, tok: T
     assert masks[2][d] and masks[3][d] and not masks[2][b]
     assert masks[5].all()  # below a forbidden draft: never reached
     assert matcher.allowed()[a] and not matcher.allowed()[d]  # the state is unchanged
+
+
+def test_bitmask_rows_equal_llguidance_byte_masks(
+    compiler: GrammarCompiler, tok: Tokenizer
+) -> None:
+    """The bitmask path (a bit per token, unpacked in torch) against the matcher's own
+    byte-per-token mask, after each prefix of a JSON answer."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    matcher = compiler.matcher(Grammar("json_schema", json.dumps(schema)))
+    answer = tok.encode('{"n": 42}')
+    masks = matcher.masks_after([answer[:k] for k in range(len(answer))])
+    for k, token in enumerate(answer):
+        bias = matcher.matcher.compute_logit_bias()  # a byte per token: 0 or 200
+        expected = torch.frombuffer(bytearray(bias), dtype=torch.uint8) != 0
+        assert torch.equal(masks[k], expected[: compiler.vocab_size])
+        assert 0 < int(masks[k].sum()) < compiler.vocab_size
+        matcher.accept(token)
 
 
 @pytest.fixture(scope="module")

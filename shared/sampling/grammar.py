@@ -5,7 +5,8 @@ cache of llguidance grammars, each validated against the model's vocabulary in a
 process under time and size limits, so a bad, huge or slow grammar is a ValueError before
 anything runs). Each sequence gets
 a `GrammarMatcher` that follows the tokens it emits and says which may come next: a mask
-over the vocabulary, applied to the logits before sampling. For a draft tree,
+over the vocabulary (llguidance's bitmask, a bit per token), applied to the logits before
+sampling. For a draft tree,
 `masks_after` gives the mask after every node's path, so verification never accepts a
 draft the grammar forbids and the bonus token is drawn from the masked distribution:
 constrained output is the same with speculation as without.
@@ -18,6 +19,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 import llguidance as llg
+import llguidance.torch as llg_torch
 import torch
 from specmesh.shared.sampling.grammar_worker import (
     COMPILE_TIMEOUT_S,
@@ -90,11 +92,7 @@ class GrammarMatcher:
 
     def allowed(self) -> torch.Tensor:
         """[vocab] bool: the tokens that may come next."""
-        bias = self.matcher.compute_logit_bias()  # one byte per token: 0 or 200
-        allowed = torch.frombuffer(bytearray(bias), dtype=torch.uint8) != 0
-        if len(allowed) < self.vocab_size:  # model rows past the tokenizer's vocabulary
-            allowed = torch.cat([allowed, allowed.new_zeros(self.vocab_size - len(allowed))])
-        return allowed[: self.vocab_size]
+        return self.masks_after([[]])[0]
 
     @property
     def finished(self) -> bool:
@@ -110,10 +108,19 @@ class GrammarMatcher:
         """[len(paths), vocab] bool: what may follow each path of tokens from here (a
         draft tree's nodes). A path that leaves the grammar is never reached by acceptance:
         its row allows everything. The matcher's own state is left as it was."""
-        rows = []
-        for path in paths:
+        bitmask = llg_torch.allocate_token_bitmask(len(paths), self.vocab_size)  # all allowed
+        for row, path in enumerate(paths):
             taken = self.matcher.try_consume_tokens(path)
-            reached = taken == len(path)
-            rows.append(self.allowed() if reached else torch.ones(self.vocab_size, dtype=bool))
+            if taken == len(path):
+                llg_torch.fill_next_token_bitmask(self.matcher, bitmask, row)
             self.matcher.rollback(taken)
-        return torch.stack(rows)
+        return unpack_bitmask(bitmask, self.vocab_size)
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, ceil(vocab / 32)] int32 words, bit j of word w for token 32 w + j ->
+    [rows, vocab] bool."""
+    return ((bitmask.unsqueeze(-1) >> _BITS) & 1).bool().flatten(1)[:, :vocab_size]
