@@ -407,6 +407,134 @@ def test_compose_local_overlay_only_swaps_images() -> None:
     assert PROJECT_IMAGE.startswith("specmesh-local/")
 
 
+def test_compose_services_on_the_image_mount_its_volumes() -> None:
+    """A container of the project image without a mount at a path the Dockerfile declares a
+    VOLUME gets an anonymous volume, which no compose label names: each service on the image
+    mounts one there, in docker-compose.yml and under scripts/compose-local's overlay."""
+    dockerfile = (DEPLOY / "Dockerfile").read_text().splitlines()
+    declared = {
+        path for line in dockerfile if line.startswith("VOLUME ") for path in line.split()[1:]
+    }
+    assert declared == {"/models"}
+    for stack in (_compose(), _compose_stack(DEPLOY / "compose.local.yml")):
+        on_image = [
+            name
+            for name, service in stack["services"].items()
+            if service.get("image", "").startswith("${SPECMESH_IMAGE")
+        ]
+        assert {"gateway", "model-init", "learner"} <= set(on_image)
+        for name in on_image:
+            targets = {
+                volume.split(":")[1] for volume in stack["services"][name].get("volumes", [])
+            }
+            assert declared <= targets, name
+
+
+class _FakeDocker:
+    """The docker and compose commands scripts/compose-local's `down` runs, against state
+    kept here: containers (with their mounts), volumes, and images by id with their tags."""
+
+    def __init__(self) -> None:
+        from specmesh.services.compose_local.images import IMAGE_LABEL
+
+        self.label = IMAGE_LABEL
+        anonymous = "f" * 64
+        self.containers = {
+            "c-decode": {"Mounts": [{"Type": "volume", "Name": "specmesh_models"}], "Image": "new"},
+            "c-otel": {"Mounts": [{"Type": "volume", "Name": anonymous}], "Image": "old"},
+        }
+        self.volumes = {"specmesh_models", anonymous, "someone-elses"}
+        self.labelled = {"specmesh_models"}  # anonymous volumes carry no compose label
+        # id -> (tags, ours): "old" the project image a rebuild replaced while "c-otel" ran it
+        self.images = {"new": (["specmesh-local/specmesh:cpu"], True), "old": ([], True),
+                       "theirs": ([], False)}  # fmt: skip
+
+    def compose_down(self, argv: list[str]) -> str:
+        assert argv[-5:] == ["down", "--volumes", "--remove-orphans", "--timeout", "30"]
+        self.containers.clear()
+        self.volumes -= self.labelled  # like compose: the declared volumes only
+        return ""
+
+    def __call__(self, *args: str, capture: bool = False) -> str:
+        from specmesh.services.compose_local.docker import DockerError
+
+        match args:
+            case ("ps", "-aq", "--filter", _):
+                return "\n".join(self.containers)
+            case ("volume", "ls", "-q"):
+                return "\n".join(self.volumes)
+            case ("volume", "rm", name):
+                self.volumes.remove(name)
+            case ("images", "-q", "--no-trunc", "--filter", "dangling=true", "--filter", label):
+                assert label == f"label={self.label}"
+                return "\n".join(i for i, (tags, ours) in self.images.items() if ours and not tags)
+            case ("rmi", image):
+                if any(c["Image"] == image for c in self.containers.values()):
+                    raise DockerError(f"{image} is in use")
+                del self.images[image]
+            case ("images", "--format", _):
+                return "\n".join(f"{t} 2GB" for tags, _ in self.images.values() for t in tags)
+            case ("volume", "ls", "--format", _, "--filter", _):
+                return "\n".join(self.volumes & self.labelled)
+            case ("ps" | "network", *_):
+                return "\n".join(self.containers) if args[0] == "ps" else ""
+            case _:
+                raise AssertionError(args)
+        return ""
+
+
+def test_compose_local_down_leaves_only_the_tagged_images(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`scripts/compose-local down` removes what `up` made: the containers, the volumes they
+    mounted, anonymous ones included (which `compose down --volumes` may miss and no label
+    names), and the project image a rebuild left untagged while a container still ran on it;
+    it keeps the tagged images (the build cache) and lists them, and touches nothing else."""
+    from specmesh.services.compose_local import images, stack
+
+    fake = _FakeDocker()
+    env_file = tmp_path / "compose-local.env"
+    env_file.write_text("SPECMESH_IMAGE=specmesh-local/specmesh:cpu\n")
+    monkeypatch.setattr(stack, "ENV_FILE", env_file)
+    monkeypatch.setattr(stack, "ensure_docker", lambda: None)
+    monkeypatch.setattr(stack, "compose_binary", lambda: "docker-compose")
+    monkeypatch.setattr(stack, "inspect", lambda *ids: [fake.containers[i] for i in ids])
+    monkeypatch.setattr(stack, "run", fake.compose_down)
+    monkeypatch.setattr(stack, "docker", fake)
+    monkeypatch.setattr(images, "docker", fake)
+    assert images.remove_superseded() == ["old"]  # at `up`'s rebuild: "c-otel" still runs it
+
+    stack.down(remove_images=False)
+    assert fake.volumes == {"someone-elses"}
+    assert fake.images == {"new": (["specmesh-local/specmesh:cpu"], True), "theirs": ([], False)}
+    assert not env_file.exists()
+    printed = capsys.readouterr().out
+    assert "no container, volume, network or untagged image of ours is left" in printed
+    assert "  specmesh-local/specmesh:cpu 2GB" in printed
+
+
+def test_compose_local_labels_every_image_it_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The label is how `down` finds an image of ours that a rebuild left untagged."""
+    from specmesh.services.compose_local import images
+
+    builds: list[tuple[str, ...]] = []
+
+    def docker(*args: str, capture: bool = False) -> str:
+        if args[0] == "build":
+            builds.append(args)
+        return ""
+
+    monkeypatch.setattr(images, "docker", docker)
+    monkeypatch.setattr(images, "image_exists", lambda tag: False)
+    images.build_project()
+    for image in images.INFRA_IMAGES:
+        images.build_infra(image)
+    assert len(builds) == 1 + len(images.INFRA_IMAGES)
+    for argv in builds:
+        assert argv[argv.index("--label") + 1] == images.IMAGE_LABEL
+    assert 'f"LABEL {IMAGE_LABEL}"' in Path(images.__file__).read_text()  # the base's import
+
+
 def test_compose_and_nomad_size_threads_to_each_services_cpus() -> None:
     """Threads beyond a container's CPU limit are throttled; fewer leave its CPUs idle."""
     services = _compose()["services"]

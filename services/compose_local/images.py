@@ -17,13 +17,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from specmesh.services.compose_local.docker import docker, image_exists, run
+from specmesh.services.compose_local.docker import DockerError, docker, image_exists, run
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL_DEPLOY = ROOT / "deploy" / "local"
 REPOSITORY = "specmesh-local"  # every image tag this tool makes starts with it
 BASE_IMAGE = f"{REPOSITORY}/debian:bookworm"
 PROJECT_IMAGE = f"{REPOSITORY}/specmesh:cpu"
+# On every image this tool builds (and so on every layer built FROM its base): an image of
+# ours that a rebuild left untagged, because containers still ran on it, is found by it.
+IMAGE_LABEL = "specmesh.compose-local=1"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 BASE_PACKAGES = "python3,python3-venv,ca-certificates"
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
@@ -71,8 +74,9 @@ def build_base() -> None:
         _add_torch_wheel(rootfs / "opt" / "wheels")
         shutil.rmtree(rootfs / "var" / "cache" / "apt" / "archives", ignore_errors=True)
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+        change = ["--change", "ENV LANG=C.UTF-8", "--change", f"LABEL {IMAGE_LABEL}"]
         imported = subprocess.run(
-            ["docker", "import", "--change", "ENV LANG=C.UTF-8", "-", BASE_IMAGE],
+            ["docker", "import", *change, "-", BASE_IMAGE],
             stdin=tar.stdout,
             stdout=subprocess.DEVNULL,
         )
@@ -122,23 +126,46 @@ def build_infra(image: InfraImage) -> None:
     for package in image.locked:
         variable = package.upper().replace("-", "_") + "_VERSION"
         args += ["--build-arg", f"{variable}={locked_version(package)}"]
-    docker("build", "-q", "-f", str(LOCAL_DEPLOY / image.dockerfile), "-t", image.tag, *args,
-           str(LOCAL_DEPLOY))  # fmt: skip
+    docker("build", "-q", "-f", str(LOCAL_DEPLOY / image.dockerfile), "-t", image.tag,
+           "--label", IMAGE_LABEL, *args, str(LOCAL_DEPLOY))  # fmt: skip
 
 
 def build_project() -> None:
     """deploy/Dockerfile on the Debian base; torch from the wheel the base carries. The
-    image a source change replaces is removed, so rebuilds leave no untagged images."""
+    image a source change replaces is removed now, or (while containers still run on it)
+    by remove_superseded once `up` has replaced them or `down` removed them."""
     print(f"compose-local: building {PROJECT_IMAGE} from deploy/Dockerfile", flush=True)
     previous = _image_id(PROJECT_IMAGE)
     docker("build", "-q", "-f", str(ROOT / "deploy" / "Dockerfile"), "-t", PROJECT_IMAGE,
+           "--label", IMAGE_LABEL,
            "--build-arg", f"BASE_IMAGE={BASE_IMAGE}",
            "--build-arg", f"TORCH_INDEX_URL={PYPI_INDEX}",
            "--build-arg", f"KERNEL_JOBS={KERNEL_JOBS}",
            str(ROOT))  # fmt: skip
     if previous and previous != _image_id(PROJECT_IMAGE):
-        # a container still on it keeps it (docker refuses): `down` then removes that
-        subprocess.run(["docker", "rmi", previous], capture_output=True)
+        # a container still on it keeps it (docker refuses): remove_superseded, later
+        _remove_image(previous)
+
+
+def superseded_images() -> list[str]:
+    """Our images that a rebuild left untagged (found by IMAGE_LABEL), by id."""
+    return docker("images", "-q", "--no-trunc", "--filter", "dangling=true",
+                  "--filter", f"label={IMAGE_LABEL}", capture=True).split()  # fmt: skip
+
+
+def remove_superseded() -> list[str]:
+    """Removes the superseded images no container uses (with the build layers only they
+    had); the ids of those still in use."""
+    for image in superseded_images():
+        _remove_image(image)
+    return superseded_images()
+
+
+def _remove_image(image: str) -> None:
+    try:
+        docker("rmi", image, capture=True)
+    except DockerError:
+        pass  # a container still runs on it
 
 
 def _image_id(tag: str) -> str | None:

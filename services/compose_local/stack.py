@@ -1,5 +1,6 @@
 """docker-compose.yml with deploy/compose.local.yml on top: up until every container is
-healthy, and down leaving none of its containers, volumes or networks behind."""
+healthy, and down leaving none of its containers, volumes (anonymous ones included),
+networks or untagged images behind: only the tagged images, the build cache."""
 
 from __future__ import annotations
 
@@ -18,7 +19,13 @@ from specmesh.services.compose_local.docker import (
     inspect,
     run,
 )
-from specmesh.services.compose_local.images import PROJECT_IMAGE, ROOT, build_all, our_images
+from specmesh.services.compose_local.images import (
+    PROJECT_IMAGE,
+    ROOT,
+    build_all,
+    our_images,
+    remove_superseded,
+)
 
 PROJECT = "specmesh"  # docker-compose.yml's `name`
 PROJECT_LABEL = f"label=com.docker.compose.project={PROJECT}"
@@ -81,6 +88,7 @@ def up(port: int, scales: Sequence[str]) -> None:
     run(compose("up", "-d", "--no-build", "--pull", "never", "--remove-orphans", *scale_args))
     wait_healthy()
     healthy = time.monotonic()
+    remove_superseded()  # the project image a rebuild replaced, now that no container runs it
     print(
         f"compose-local: every container healthy; images ready in {built - started:.0f} s, "
         f"containers healthy {healthy - built:.0f} s after `up`, "
@@ -126,12 +134,19 @@ def wait_healthy(timeout: float = HEALTHY_TIMEOUT_S) -> None:
 
 
 def down(remove_images: bool) -> None:
-    """Remove the project's containers, volumes and networks; list the images kept as the
-    build cache (or remove them too)."""
+    """Remove the project's containers, the volumes they mounted (named or anonymous) and
+    networks, and our images a rebuild left untagged; list the images kept as the build
+    cache (or remove them too)."""
     ensure_docker()
+    # Anonymous volumes carry no project label: known only from the containers' mounts.
+    mounted = mounted_volumes(containers())
     if ENV_FILE.exists():
         run(compose("--profile", "*", "down", "--volumes", "--remove-orphans", "--timeout", "30"))
-    leftovers = _leftovers()
+    for name in set(mounted) & _volumes():
+        docker("volume", "rm", name, capture=True)  # what `down --volumes` did not remove
+    in_use = remove_superseded()
+    leftovers = _leftovers() + [f"volume {name}" for name in mounted if name in _volumes()]
+    leftovers += [f"untagged image {image}" for image in in_use]
     if leftovers:
         raise RuntimeError("left behind: " + ", ".join(leftovers))
     if remove_images:
@@ -140,11 +155,21 @@ def down(remove_images: bool) -> None:
             docker("rmi", *tags)
     ENV_FILE.unlink(missing_ok=True)
     kept = our_images()
-    print("compose-local: no container, volume or network of ours is left")
+    print("compose-local: no container, volume, network or untagged image of ours is left")
     if kept:
         print("compose-local: images kept as the build cache (`down --images` removes them):")
         for line in kept:
             print(f"  {line}")
+
+
+def mounted_volumes(found: list[dict[str, Any]]) -> list[str]:
+    """The Docker volumes the containers mount, named and anonymous, each once."""
+    names = (m["Name"] for c in found for m in c.get("Mounts") or [] if m["Type"] == "volume")
+    return list(dict.fromkeys(names))
+
+
+def _volumes() -> set[str]:
+    return set(docker("volume", "ls", "-q", capture=True).split())
 
 
 def _leftovers() -> list[str]:
