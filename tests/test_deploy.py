@@ -199,6 +199,28 @@ def test_compose_runs_each_service_from_the_one_image() -> None:
     assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in dockerfile  # CPU default
 
 
+def test_the_images_service_user_loads_the_kernels_it_compiled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The image compiles kernels/cpu as root into TORCH_EXTENSIONS_DIR; its services load
+    them as the specmesh user, whose home is not writable. The sources the build ran from are
+    staged there too (not under the home directory: the same paths at build and at run time,
+    so nothing rebuilds or fails), and the image's build loads them as that user."""
+    from specmesh.kernels import cpu
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    staged = cpu.staged_sources("specmesh_cpu_test")
+    assert staged == tmp_path / "specmesh_sources" / "specmesh_cpu_test"
+    assert {p.name for p in staged.iterdir()} == {p.name for p in cpu._source_files()}
+    lines = (DEPLOY / "Dockerfile").read_text().splitlines()
+    compiled = next(i for i, line in enumerate(lines) if "kernels.cpu import load; load()" in line)
+    assert "ENV TORCH_EXTENSIONS_DIR=/opt/torch_extensions" in lines[:compiled]
+    user = lines.index("USER specmesh")
+    assert "chown -R specmesh /opt/torch_extensions" in " ".join(lines[compiled:user])
+    assert lines[user + 3].startswith('RUN python -c "import torch; from specmesh.kernels.cpu')
+    assert "assert load() is not None" in lines[user + 4]
+
+
 def test_the_image_installs_locked_dependencies_before_the_source() -> None:
     """A source change must not reinstall dependencies: the locks are installed before any
     source is copied, the package after it without dependencies; and .dockerignore lets in

@@ -39,12 +39,21 @@ def build_name() -> str:
     return f"specmesh_cpu_{digest.hexdigest()}"
 
 
+def build_root() -> Path:
+    """Where torch's builder keeps the builds: TORCH_EXTENSIONS_DIR where it is set (the
+    image's /opt/torch_extensions), else its default under ~/.cache. torch's
+    get_default_build_root is only that default: sources staged there in an image went to
+    root's home at its build and to the service user's unwritable one at run time, so every
+    container ran the torch path."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
 def staged_sources(name: str) -> Path:
     """The sources copied under the build root, in a folder named like the build: the same
     paths for the same content wherever the package lies."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    staged = Path(get_default_build_root()) / "specmesh_sources" / name
+    staged = build_root() / "specmesh_sources" / name
     if not staged.is_dir():
         staged.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=staged.parent))
