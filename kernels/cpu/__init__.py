@@ -2,20 +2,26 @@
 over GGUF's quantized blocks; `attention.cpp`: tiled causal attention for prefill;
 `decoder.cpp`: the fused decoder step; `pool.cpp`: the thread pool they run their jobs on),
 compiled on first use by torch's extension builder and cached under
-~/.cache/torch_extensions. One build per content of the sources, compiled from copies of
-them kept beside the builds: torch's builder rebuilds when a build's source paths change, so
-checkouts on one machine (or an image's build step and its installed package) sharing a build
-by its paths rebuilt it in turns. Without a compiler or AVX2 they are simply absent and the
-model runs its plain torch path."""
+~/.cache/torch_extensions. One build per content of the sources and torch installation,
+compiled from copies of the sources kept beside the builds: torch's builder rebuilds when a
+build's command changes (its source paths, torch's include paths), so checkouts on one
+machine (or an image's build step and its installed package) sharing a build by its paths,
+or virtualenvs sharing one by its name, rebuilt it in turns. One process at a time loads a
+build, under a lock the kernel releases when its holder dies: torch's own lock file, left
+behind by a process killed mid-build, would hold every later one forever. Without a compiler
+or AVX2 they are simply absent and the model runs its plain torch path."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -32,8 +38,10 @@ def _source_files() -> list[Path]:
 
 
 def build_name() -> str:
-    """The extension's name (its build directory), keyed by every source and header."""
+    """The extension's name (its build directory), keyed by every source and header and by
+    the torch it builds against (its version and where it lies)."""
     digest = hashlib.blake2b(digest_size=6)
+    digest.update(f"{torch.__version__} {Path(torch.__file__).parent}".encode())
     for path in _source_files():
         digest.update(path.name.encode() + path.read_bytes())
     return f"specmesh_cpu_{digest.hexdigest()}"
@@ -66,6 +74,23 @@ def staged_sources(name: str) -> Path:
     return staged
 
 
+@contextlib.contextmanager
+def exclusive_build(name: str) -> Iterator[Path]:
+    """Hold build `name` (its folder) alone. Inside, a lock file torch's builder left is
+    stale (its holder was killed): it goes, so torch's builder does not wait on it forever."""
+    build_dir = build_root() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # read-only: a build another user made (an image's) is still lockable
+    held = os.open(build_dir / "specmesh.flock", os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        if (build_dir / "lock").exists():
+            (build_dir / "lock").unlink()
+        yield build_dir
+    finally:
+        os.close(held)
+
+
 @functools.cache
 def load() -> ModuleType | None:
     """The compiled module, or None where it cannot be built here."""
@@ -76,11 +101,13 @@ def load() -> ModuleType | None:
     try:
         name = build_name()
         staged = staged_sources(name)
-        module = build(
-            name=name,
-            sources=[str(staged / f) for f in SOURCES],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"],
-        )
+        with exclusive_build(name) as build_dir:
+            module = build(
+                name=name,
+                sources=[str(staged / f) for f in SOURCES],
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"],
+                build_directory=str(build_dir),
+            )
     except Exception as exc:  # no compiler, no headers: the torch path still works
         log.warning("CPU kernels unavailable, using the torch path: %s", exc)
         return None
