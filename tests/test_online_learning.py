@@ -13,6 +13,7 @@ import copy
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import time
@@ -86,6 +87,39 @@ def test_training_on_served_examples_raises_heldout_acceptance(
     for _ in range(8):
         trainer.train_step()
     assert trainer.heldout_acceptance(trainer.head) > before + 0.3
+
+
+def test_a_restarted_trainer_gets_its_examples_back(smollm_dir: Path, tmp_path: Path) -> None:
+    """The buffers' tokens are saved; a new trainer restores them, features recomputed,
+    as older than what arrived since; a damaged file is an error, not a crash later."""
+    target = load_model(str(smollm_dir), torch.device("cpu"), torch.float32)
+    head, spec, _ = load_head(Path(shipped_drafter(None, "EAGLE3")), "EAGLE3", target)
+    options = OnlineOptions(heldout_share=0.25)
+    trainer = OnlineTrainer(target.requires_grad_(False), head, options)
+    tok = Tokenizer(smollm_dir)
+    served = []
+    for i in range(10):
+        prompt = tok.encode_chat([{"role": "user", "content": f"Count to {i + 3}."}])
+        answer = tok.encode(", ".join(str(k) for k in range(1, i + 4)))
+        served.append(Sample(prompt + answer, [(len(prompt), len(prompt) + len(answer))]))
+    views = extract(target, served, *spec.target_features, store_dtype=torch.float16)
+    for sample, view in zip(served, views, strict=True):
+        trainer.add(sample.ids, sample.spans[0][0], view.features[:-1], 0)
+    path = tmp_path / "examples.jsonl"
+    trainer.save_examples(path)
+    again = OnlineTrainer(target, copy.deepcopy(head), options)  # a restarted learner
+    newest = served[-1]
+    again.add(newest.ids, newest.spans[0][0], views[-1].features[:-1], 0)
+    assert again.restore_examples(path, spec.target_features) == len(served)
+    for buffer, before in ((again.train_set, trainer.train_set), (again.heldout, trainer.heldout)):
+        restored = [e.sample.ids for e in buffer][: len(before)]
+        assert restored == [e.sample.ids for e in before]  # older than the one added since
+    restored, saved = again.train_set[0].view, trainer.train_set[0].view
+    assert torch.equal(restored.argmax, saved.argmax)
+    assert torch.allclose(restored.features[:-1].float(), saved.features[:-1].float(), atol=1e-2)
+    path.write_text('{"ids": [1, 2')
+    with pytest.raises(ValueError):
+        again.restore_examples(path, spec.target_features)
 
 
 def test_versions_persist_and_their_blobs_are_stored(tmp_path: Path) -> None:
@@ -252,6 +286,8 @@ def test_a_restarted_pool_resumes_the_latest_version(pool: Pool) -> None:
     pool.wait_for("both back", lambda: pool.log.read_text().count("learner-0 ready") == 2)
     pool.wait_for("the drafter on the latest", lambda: pool.drafter_version() == current)
     assert heartbeats(pool.nats_url, 1.5)["learner-0"].head_version == current
+    restored = re.compile(r"learner-0 INFO \S+: restored ([1-9]\d*) served examples")
+    pool.wait_for("its examples back", lambda: restored.search(pool.log.read_text()) is not None)
 
 
 def test_a_nextn_pool_learns_in_the_mtp_layout(

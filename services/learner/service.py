@@ -80,6 +80,7 @@ class LearnerService(Service):
         self.target = load_model(str(target_dir), device, torch.float32).requires_grad_(False)
         self.target_config = json.loads((target_dir / "config.json").read_text())
         root = Path(online.speculative_online_dir) / self.algorithm.lower()
+        self.examples_path = root / "examples.jsonl"  # the trainer's buffers, for a restart
         base = Path(spec.speculative_draft_model_path or "")
         self.versions = HeadVersions(root, base, self.algorithm)
         self.lock = threading.Lock()  # the versions' state: the io thread's and the trainer's
@@ -149,6 +150,7 @@ class LearnerService(Service):
 
     async def stop(self) -> None:
         self._announcing.cancel()
+        self.trainer.save_examples(self.examples_path)
         self.transport.close()
 
     def heartbeat(self) -> Heartbeat:
@@ -230,11 +232,13 @@ class LearnerService(Service):
 
     def main_loop(self) -> None:
         """Train one step at a time while a round is on, between calls from the io thread."""
+        self._restore_examples()
         while self.run_calls(0.0 if self.round_left else 0.5):
             self._follow_the_pool()
             enough = self.trainer.new_examples >= self.online.speculative_online_min_examples
             if not self.round_left and enough:
                 self.trainer.take_new()
+                self.trainer.save_examples(self.examples_path)
                 self.round_left = self.online.speculative_online_round_steps
             if self.round_left:
                 self.trainer.train_step()
@@ -242,6 +246,17 @@ class LearnerService(Service):
                 self.round_left -= 1
                 if not self.round_left:
                     self._judge_candidate()
+
+    def _restore_examples(self) -> None:
+        """What the pool served before a restart trains on, once its features are back."""
+        if not self.examples_path.is_file():
+            return
+        try:
+            count = self.trainer.restore_examples(self.examples_path, self.spec.target_features)
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:  # a damaged file
+            log.warning("cannot restore served examples from %s: %s", self.examples_path, exc)
+        else:
+            log.info("restored %d served examples from %s", count, self.examples_path)
 
     def _follow_the_pool(self) -> None:
         """Train from the pool's version once it is one this trainer did not grow and no

@@ -6,7 +6,8 @@ learner runs no target pass (which would cost as much as a second prefill of all
 traffic). The label after each position is the token the target chose there. A hash of
 the prompt puts a fixed share of prompts in the held-out set for good, so a restarted
 learner, and a benchmark choosing prompts to test on, agree on which never train. The
-buffers keep the newest examples.
+buffers keep the newest examples; their tokens are saved as they change, and a restarted
+learner restores them with one target pass for their features.
 
 Training is the offline trainer's (`eagle_trainer.unrolled_loss`) one batch at a time,
 so the learner can look up between steps; a candidate is judged by held-out acceptance
@@ -16,11 +17,13 @@ so the learner can look up between steps; a candidate is judged by held-out acce
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -34,7 +37,7 @@ from specmesh.shared.training.eagle_trainer import (
     collate,
     unrolled_loss,
 )
-from specmesh.shared.training.features import TargetView
+from specmesh.shared.training.features import TargetView, extract
 
 
 def is_heldout(prompt_ids: Sequence[int], share: float) -> bool:
@@ -114,6 +117,45 @@ class OnlineTrainer:
                 self.train_set.append(example)
                 self.new_examples += 1
         return heldout
+
+    def save_examples(self, path: Path) -> None:
+        """The buffers' tokens, written whole or not at all (their features are not kept: a
+        target pass restores them, `restore_examples`)."""
+        with self._lock:
+            kept = [(e, False) for e in self.train_set] + [(e, True) for e in self.heldout]
+        lines = [
+            json.dumps({"ids": e.sample.ids, "start": e.sample.spans[0][0], "heldout": held})
+            for e, held in kept
+        ]
+        partial = path.with_suffix(".partial")
+        partial.write_text("".join(f"{line}\n" for line in lines))
+        partial.replace(path)
+
+    def restore_examples(self, path: Path, features: tuple[tuple[int, ...], bool]) -> int:
+        """Put back the examples `save_examples` wrote, older than any added since, each
+        with the target's `features` (the head's `target_features`) from a target pass;
+        returns how many."""
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        if not records:
+            return 0
+        samples = [Sample(r["ids"], [(r["start"], len(r["ids"]))]) for r in records]
+        views = extract(self.target, samples, *features, store_dtype=torch.float16, progress=False)
+        restored: dict[bool, list[Example]] = {False: [], True: []}
+        for record, sample, view in zip(records, samples, views, strict=True):
+            emitted = torch.tensor([*sample.ids[1:], 0])  # the labels, as `add` takes them
+            restored[record["heldout"]].append(
+                Example(sample, TargetView(view.features, None, emitted))
+            )
+        with self._lock:
+            for buffer, older in (
+                (self.train_set, restored[False]),
+                (self.heldout, restored[True]),
+            ):
+                newer = list(buffer)
+                buffer.clear()
+                buffer.extend(older + newer)  # the deque keeps the newest
+            self.new_examples += len(restored[False])
+        return len(records)
 
     def take_new(self) -> int:
         """How many training examples arrived since the last call (`new_examples`)."""
