@@ -24,8 +24,10 @@ LOCAL_DEPLOY = ROOT / "deploy" / "local"
 REPOSITORY = "specmesh-local"  # every image tag this tool makes starts with it
 BASE_IMAGE = f"{REPOSITORY}/debian:bookworm"
 PROJECT_IMAGE = f"{REPOSITORY}/specmesh:cpu"
-# On every image this tool builds (and so on every layer built FROM its base): an image of
-# ours that a rebuild left untagged, because containers still ran on it, is found by it.
+# On every image this tool builds: an image of ours that a rebuild left untagged, because
+# containers still ran on it, is found by it. `docker build --label` sets it in a last step
+# of its own, so a build's intermediate layers (untagged too while it runs) never carry it;
+# hence not on the base either, whose label every layer built on it would inherit.
 IMAGE_LABEL = "specmesh.compose-local=1"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 BASE_PACKAGES = "python3,python3-venv,ca-certificates"
@@ -74,9 +76,8 @@ def build_base() -> None:
         _add_torch_wheel(rootfs / "opt" / "wheels")
         shutil.rmtree(rootfs / "var" / "cache" / "apt" / "archives", ignore_errors=True)
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
-        change = ["--change", "ENV LANG=C.UTF-8", "--change", f"LABEL {IMAGE_LABEL}"]
         imported = subprocess.run(
-            ["docker", "import", *change, "-", BASE_IMAGE],
+            ["docker", "import", "--change", "ENV LANG=C.UTF-8", "-", BASE_IMAGE],
             stdin=tar.stdout,
             stdout=subprocess.DEVNULL,
         )
