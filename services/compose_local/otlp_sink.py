@@ -84,6 +84,8 @@ class OtlpTraceHandler(BaseHTTPRequestHandler):
     (a 400); metrics and logs are accepted and dropped, anything else is a 4xx."""
 
     def receive(self, body: bytes) -> None:
+        """Where an export's body goes: each subclass says (the sink's store, a test's
+        receiver); the base takes none."""
         raise NotImplementedError
 
     def do_POST(self) -> None:
