@@ -6,6 +6,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from helpers import GREEDY, PROMPTS, tiny_llama, write_eagle_head
@@ -476,6 +477,27 @@ def test_nextn_drafts_from_the_targets_own_mtp_layer_losslessly(
         assert engine.generate(prompt_ids[i : i + 8], GREEDY) == reference[i : i + 8]
     stats = engine.speculator.stats
     assert stats.steps > 0 and stats.draft_tokens >= stats.steps
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "NEXTN"])
+def test_a_prompt_prefix_from_the_cache_keeps_the_heads_whole_context(
+    algorithm: str, smollm_dir: Path, prompt_ids: list[list[int]]
+) -> None:
+    """Chat prompts share their system prompt, which the target then serves from its
+    prefix cache and computes no features for. The drafter caches its own K/V of that
+    prefix, so a request that starts after it drafts exactly as it would alone (fixed
+    draft shapes: adaptive ones follow timings)."""
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    spec = {"speculative_algorithm": algorithm, "speculative_adaptive": False}
+    shared = spec_engine(smollm_dir, **spec)
+    shared.generate([prompt_ids[1]], params)
+    before = msgspec.structs.replace(shared.speculator.stats)
+    reused = shared.block_manager.reused_tokens
+    out = shared.generate([prompt_ids[2]], params)
+    assert shared.block_manager.reused_tokens > reused  # the target started after a prefix
+    alone = spec_engine(smollm_dir, **spec)
+    assert out == alone.generate([prompt_ids[2]], params)
+    assert shared.speculator.stats.since(before) == alone.speculator.stats
 
 
 def test_nextn_without_mtp_layers_fails_before_loading(smollm_dir: Path, tmp_path: Path) -> None:

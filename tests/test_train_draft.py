@@ -28,7 +28,13 @@ from specmesh.shared.speculative.eagle import (
 )
 from specmesh.shared.tokenizer import Tokenizer
 from specmesh.shared.training.data import CaptureReader, find_captures, read_samples, self_distill
-from specmesh.shared.training.eagle_trainer import Roots, collate, reached, unrolled_loss
+from specmesh.shared.training.eagle_trainer import (
+    Acceptance,
+    Roots,
+    collate,
+    reached,
+    unrolled_loss,
+)
 from specmesh.shared.training.features import TargetViews, capture_layers, extract, from_capture
 from specmesh.shared.training.prompts import TOPICS, training_prompts
 from specmesh.shared.training.train_draft import (
@@ -386,6 +392,23 @@ def test_on_policy_roots_prefer_short_chains_and_steps_count_where_chains_reach(
             losses[steps, on_policy] = r.loss.item()
     assert losses[1, True] == pytest.approx(losses[1, False])
     assert losses[3, True] < losses[3, False] - 1e-3, losses
+
+
+def test_heldout_acceptance_walks_a_sample_as_serving_does() -> None:
+    """The prefill makes an answer's first token; then each chain of c correct steps
+    yields c + 1 tokens and the next chain starts c + 1 entries on, so entries inside an
+    accepted chain are never roots."""
+    valid = torch.tensor([False, True, True, True, True, True, True, True, True, False])
+    chains = [0, 1, 2, 1, 0, 0, 0, 1, 0, 0]  # leading correct steps per root
+    correct = torch.tensor([[k < c for k in range(3)] for c in chains])
+    correct[3, 2] = correct[8, 1] = True  # past a wrong step: never counted
+    acceptance = Acceptance()
+    acceptance.add(correct, valid, 1)
+    # Roots 2 (chain 2: 3 tokens), 5 (1 token), 6 (1), 7 (chain 1: 2 tokens).
+    assert (acceptance.tokens, acceptance.steps) == (7, 4)
+    acceptance.add(torch.cat([correct, correct]), torch.cat([valid, valid]), 2)
+    assert acceptance.length == pytest.approx(21 / 12)
+    assert Acceptance().length == 1.0
 
 
 def test_init_refuses_a_drafter_that_does_not_fit(tiny: Path, tmp_path: Path) -> None:

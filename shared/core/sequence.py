@@ -47,6 +47,9 @@ class Sequence:
     remote_kv: RemotePrefix | None = None
     grammar: GrammarMatcher | None = None  # where its output is in `params.grammar`
     images: PromptImages | None = None  # the prompt's images (Mistral3), with their tokens
+    # What its K/V depends on besides its tokens and images (mixed into the first block's
+    # hash, so into every later one's): a drafter's sequence, the context before it.
+    cache_salt: bytes = b""
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -87,13 +87,17 @@ class BlockManager:
             forgotten += 1
         return forgotten
 
+    def _salt(self, seq: Sequence, index: int) -> bytes:
+        salt = block_salt(seq.images, index, self.block_size)
+        return seq.cache_salt + salt if index == 0 else salt
+
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding a prefix of `seq`. The last token is never covered,
         because its logits must be computed."""
         ids, prev = [], None
         for i in range((len(seq) - 1) // self.block_size):
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            prev = block_hash(tokens, prev, block_salt(seq.images, i, self.block_size))
+            prev = block_hash(tokens, prev, self._salt(seq, i))
             block_id = self.hash_to_block.get(prev)
             if block_id is None or self.blocks[block_id].tokens != tokens:
                 break
@@ -153,7 +157,7 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             prev = self.blocks[seq.block_table[i - 1]].hash if i else None
             block.tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            block.hash = block_hash(block.tokens, prev, block_salt(seq.images, i, bs))
+            block.hash = block_hash(block.tokens, prev, self._salt(seq, i))
             if self.events is not None and block.hash not in self.hash_to_block:
                 self.events.store(block.hash)
             self.hash_to_block[block.hash] = block.block_id

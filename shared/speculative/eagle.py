@@ -24,11 +24,13 @@ as STANDALONE does (top-k per step, cumulative scores, rerank).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -435,6 +437,7 @@ class EagleDrafter(LocalDrafter):
         self.blocks = BlockManager(self.kv_cache.num_blocks, block_size)
         self.num_steps = cfg.speculative_num_steps
         self.topk = cfg.speculative_eagle_topk
+        self.head_version = 0  # in every cache salt: a swapped head reuses no K/V of the last
         # Per request: all its tokens; the head's sequence of pairs, the first of which is
         # at target position `offsets` (after any prefix the target served from cache);
         # projected features not yet in the head's KV.
@@ -492,8 +495,10 @@ class EagleDrafter(LocalDrafter):
     def use(self, head: EagleHead) -> None:
         """Draft with `head` (from `prepared`) from the next call on: on the thread that
         drafts, so no step sees half of it. The cache keeps the old head's entries for the
-        requests in flight; they only cost acceptance until those requests end."""
+        requests in flight (they only cost acceptance until those requests end); no later
+        request reuses them."""
         self.head = head
+        self.head_version += 1
         self._vocab(self.token_map)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -543,14 +548,45 @@ class EagleDrafter(LocalDrafter):
             return None
         extra = self.num_steps * self.topk
         if not seq.block_table:
-            if not self.blocks.can_allocate(seq, reserve=extra):
+            seq = self._allocate(r.request_id, extra)
+            if seq is None:
                 return None
-            self.blocks.allocate(seq)
-            seq.num_computed_tokens = 0  # no prefix reuse: entries depend on features too
         if not self.blocks.can_grow(seq, extra):
             return None
         self.blocks.ensure_capacity(seq, extra)
         return TreeSearch(seq, r.max_drafts, [tokens[-1]])
+
+    def _allocate(self, request_id: str, reserve: int) -> Sequence | None:
+        """Blocks for a request's pairs, the leading ones from the prefix cache where it
+        holds them. Where the target began after a prefix it had cached (offset > 0), the
+        pairs of that prefix are looked up too: found, the head drafts with its whole
+        context instead of the part after the prefix."""
+        seq, offset = self.seqs[request_id], self.offsets[request_id]
+        seq.cache_salt = self._context_salt(request_id, offset)
+        first = 0  # the pair the pending features begin at
+        if offset:
+            pairs = self.tokens[request_id][1 : offset + len(seq) + 1]
+            whole = Sequence(request_id, pairs, DRAFT_PARAMS)
+            whole.cache_salt = self._context_salt(request_id, 0)
+            held = self.blocks.num_cached_blocks(whole) * self.blocks.block_size
+            if held >= offset and self.blocks.can_allocate(whole, reserve=reserve):
+                seq, first = whole, offset
+                self.seqs[request_id], self.offsets[request_id] = whole, 0
+        if not self.blocks.can_allocate(seq, reserve=reserve):
+            return None
+        self.blocks.allocate(seq)
+        if seq.num_computed_tokens > first:  # the cache holds pairs of pending features
+            pending = torch.cat(self.features[request_id])
+            self.features[request_id] = [pending[seq.num_computed_tokens - first :]]
+        return seq
+
+    def _context_salt(self, request_id: str, offset: int) -> bytes:
+        """What the K/V of pairs from target position `offset` on depends on besides their
+        own tokens: the tokens before them and the head."""
+        context = self.tokens[request_id][: offset + 1] + [self.head_version]
+        return hashlib.blake2b(
+            np.asarray(context, dtype=np.int64).tobytes(), digest_size=8
+        ).digest()
 
     def _expand(self, searches: list[TreeSearch], catch_up: bool) -> None:
         spans, ids, feats, positions, rows = [], [], [], [], []
@@ -589,7 +625,8 @@ class EagleDrafter(LocalDrafter):
         row = 0
         for s in searches:
             if catch_up:
-                s.seq.num_computed_tokens = len(s.seq)
+                computed_before, s.seq.num_computed_tokens = s.seq.num_computed_tokens, len(s.seq)
+                self.blocks.seal(s.seq, computed_before)
             for j, node in enumerate(s.frontier):
                 s.hidden[node] = out[row + j]
             n = len(s.frontier)

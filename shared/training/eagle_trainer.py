@@ -13,9 +13,9 @@ Loss (SpecForge's): per step, soft cross-entropy against the target's distributi
 the draft vocabulary, on positions whose target choice is in that vocabulary, weighted
 0.8^k. Without the target's final states (examples a drafter served: it sees the
 features, not the output layer) the label is the target's chosen token, whose expected
-cross-entropy is the same. Held-out acceptance: the mean length of the chain of
-consecutive correct greedy steps, plus one (the bonus token) -- the acceptance length
-of chain drafting.
+cross-entropy is the same. Held-out acceptance: tokens per verification of greedy
+chain drafting (the correct leading steps plus the bonus token), walked along each sample as
+serving walks it (`Acceptance`).
 
 On-policy stage (`--on-policy-epochs`, after the main one): training where the head's own
 drafts are rejected. Per batch, a probe without gradients unrolls every entry as a root:
@@ -269,12 +269,34 @@ def soft_cross_entropy(
     return -(labels * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
 
 
-def acceptance_length(correct: torch.Tensor, valid: torch.Tensor) -> float:
-    """1 + mean number of leading correct steps over valid roots (greedy chain drafting)."""
-    if not valid.any():
-        return 1.0
-    chain = correct[valid].int().cumprod(dim=1).sum(dim=1).float()
-    return 1.0 + chain.mean().item()
+@dataclass
+class Acceptance:
+    """Greedy chain drafting walked along held-out samples as serving walks them: from the
+    entry after an answer's first (whose token the prefill makes), a chain of c correct
+    steps yields c + 1 tokens (the bonus one included) in one verification, and the next
+    chain starts c + 1 entries on. Its `length`, tokens per verification, is the acceptance
+    length serving reports. (The mean over every entry as a root counts a stretch the head
+    drafts well once per position, not once per chain, and overstates what serving sees.)"""
+
+    tokens: int = 0
+    steps: int = 0
+
+    def add(self, correct: torch.Tensor, valid: torch.Tensor, samples: int) -> None:
+        """correct [S*M, K], valid [S*M]: a pass over `samples` samples with every entry a
+        root (`Roots()`), sample-major."""
+        chains = correct.int().cumprod(dim=1).sum(dim=1).view(samples, -1).tolist()
+        for chain, learned in zip(chains, valid.view(samples, -1).tolist(), strict=True):
+            p = 1  # an answer's first token comes from the prefill, not from a draft
+            while p < len(chain):
+                if learned[p] and learned[p - 1]:
+                    self.tokens += chain[p] + 1
+                    self.steps += 1
+                    p += chain[p]
+                p += 1
+
+    @property
+    def length(self) -> float:
+        return self.tokens / self.steps if self.steps else 1.0
 
 
 def lr_at(step: int, total: int, peak: float, warmup: float = 0.02) -> float:

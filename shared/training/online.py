@@ -31,9 +31,9 @@ from specmesh.shared.model.llama import LlamaForCausalLM
 from specmesh.shared.speculative.eagle import EagleHead
 from specmesh.shared.training.data import Sample
 from specmesh.shared.training.eagle_trainer import (
+    Acceptance,
     Roots,
     StepResult,
-    acceptance_length,
     collate,
     unrolled_loss,
 )
@@ -208,10 +208,10 @@ class OnlineTrainer:
             return 1.0
         training = head.training
         head.eval()
-        corrects, valids = [], []
+        acceptance = Acceptance()
         for start in range(0, len(examples), 8):
-            r = self._loss(head, examples[start : start + 8], Roots())
-            corrects.append(r.correct)
-            valids.append(r.valid)
+            batch = examples[start : start + 8]
+            r = self._loss(head, batch, Roots())
+            acceptance.add(r.correct, r.valid, len(batch))
         head.train(training)
-        return acceptance_length(torch.cat(corrects), torch.cat(valids))
+        return acceptance.length

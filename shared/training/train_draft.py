@@ -60,10 +60,10 @@ from specmesh.shared.training.data import (
 )
 from specmesh.shared.training.dflash_trainer import block_loss, mask_token_id, new_dflash
 from specmesh.shared.training.eagle_trainer import (
+    Acceptance,
     Batch,
     Roots,
     StepResult,
-    acceptance_length,
     collate,
     lr_at,
     make_batches,
@@ -540,16 +540,13 @@ def student_trainee(
 def evaluate(run: Run, batches: list[list[int]]) -> tuple[float, float]:
     """Held-out (loss, acceptance length of greedy chain drafting)."""
     run.trainee.module.eval()
-    losses, corrects, valids = [], [], []
+    losses, acceptance = [], Acceptance()
     for idx in batches:
         r = run.trainee.loss(collate(run.samples, run.views, idx, run.device), Roots())
         losses.append(r.loss.item())
-        corrects.append(r.correct)
-        valids.append(r.valid)
+        acceptance.add(r.correct, r.valid, len(idx))
     run.trainee.module.train()
-    return sum(losses) / max(1, len(losses)), acceptance_length(
-        torch.cat(corrects), torch.cat(valids)
-    )
+    return sum(losses) / max(1, len(losses)), acceptance.length
 
 
 @torch.no_grad()
