@@ -479,12 +479,12 @@ def test_nextn_drafts_from_the_targets_own_mtp_layer_losslessly(
     assert stats.steps > 0 and stats.draft_tokens >= stats.steps
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE3", "NEXTN"])
-def test_a_prompt_prefix_from_the_cache_keeps_the_heads_whole_context(
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "NEXTN", "DFLASH"])
+def test_a_prompt_prefix_from_the_cache_keeps_the_drafts_whole_context(
     algorithm: str, smollm_dir: Path, prompt_ids: list[list[int]]
 ) -> None:
     """Chat prompts share their system prompt, which the target then serves from its
-    prefix cache and computes no features for. The drafter caches its own K/V of that
+    prefix cache and computes no features for. The drafter keeps its own K/V of that
     prefix, so a request that starts after it drafts exactly as it would alone (fixed
     draft shapes: adaptive ones follow timings)."""
     params = SamplingParams(temperature=0.0, max_tokens=32)

@@ -20,6 +20,7 @@ for position n+k. The target verifies the block as a chain.
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from specmesh.shared.core.tree import DraftTree
+from specmesh.shared.kvcache.block_manager import block_hash
 from specmesh.shared.model.config import ModelConfig
 from specmesh.shared.model.layers import MLP, Linear, RMSNorm, pack_linears
 from specmesh.shared.model.llama import LlamaForCausalLM
@@ -42,6 +44,7 @@ from torch import nn
 
 ARCHITECTURE = "DFlashDraftModel"
 KV = tuple[torch.Tensor, torch.Tensor]  # K, V [..., C, KVH, D]
+PREFIX_CONTEXT_BLOCKS = 512  # context blocks a drafter keeps for later requests' prefixes
 
 
 def default_target_layers(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -310,6 +313,54 @@ def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
     return nn.utils.rnn.pad_sequence(tensors, batch_first=True)
 
 
+class PrefixContexts:
+    """Draft layers' K/V of whole blocks of target positions, kept across requests under
+    their tokens' chained block hash (a position's entry depends on every token up to it),
+    the newest `capacity` blocks. Where the target served a prompt's prefix from its cache
+    and sent no features for it, a request takes that prefix's context from here."""
+
+    block_size = 16  # the engine's default K/V block: a cached prefix ends on one
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.blocks: OrderedDict[int, list[KV]] = OrderedDict()
+
+    def _hashes(self, tokens: list[int], count: int) -> list[int]:
+        hashes, prev, bs = [], None, self.block_size
+        for b in range(count):
+            prev = block_hash(tokens[b * bs : (b + 1) * bs], prev)
+            hashes.append(prev)
+        return hashes
+
+    def lookup(self, tokens: list[int], end: int) -> list[KV] | None:
+        """Each layer's K/V of positions 0 .. end - 1, if every block of them is held."""
+        if end % self.block_size:
+            return None
+        hashes = self._hashes(tokens, end // self.block_size)
+        if not all(h in self.blocks for h in hashes):
+            return None
+        for h in hashes:
+            self.blocks.move_to_end(h)
+        held = [self.blocks[h] for h in hashes]
+        return [
+            (torch.cat([b[i][0] for b in held]), torch.cat([b[i][1] for b in held]))
+            for i in range(len(held[0]))
+        ]
+
+    def store(self, tokens: list[int], layers: list[KV], start: int, end: int) -> None:
+        """Keep the blocks that positions start .. end - 1 completed (`layers` hold the
+        K/V of positions 0 .. end - 1)."""
+        bs = self.block_size
+        first, last = start // bs, end // bs
+        for b, h in enumerate(self._hashes(tokens, last)[first:], start=first):
+            if h not in self.blocks:
+                rows = slice(b * bs, (b + 1) * bs)
+                self.blocks[h] = [(k[rows].clone(), v[rows].clone()) for k, v in layers]
+            self.blocks.move_to_end(h)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+
+
 @dataclass
 class _Context:
     """One request's draft context: per draft layer K, V [C, KVH, D] of target positions
@@ -341,6 +392,8 @@ class DFlashDrafter(LocalDrafter):
             self.lm_rows = packed_lm_head(target.lm_head.weight[self.vocab_ids])
         self.tokens: dict[str, list[int]] = {}
         self.contexts: dict[str, _Context] = {}
+        # A window keeps no prefix whole, so nothing to share.
+        self.prefixes = None if self.window else PrefixContexts(PREFIX_CONTEXT_BLOCKS)
 
     def open(self, request_id: str, prompt_ids: list[int]) -> None:
         self.tokens[request_id] = list(prompt_ids)
@@ -356,7 +409,7 @@ class DFlashDrafter(LocalDrafter):
             tokens = self.tokens[r.request_id]
             tokens.extend(r.new_tokens)
             if r.features is not None:
-                self._extend(self.contexts[r.request_id], r.features, r.feature_position)
+                self._extend(r.request_id, r.features, r.feature_position)
             # Drafts need the context up to the root's parent, the position before the root.
             if r.max_drafts >= 1 and self.contexts[r.request_id].end == len(tokens) - 1:
                 drafting.append(r)
@@ -366,8 +419,11 @@ class DFlashDrafter(LocalDrafter):
             for r in requests
         ]
 
-    def _extend(self, ctx: _Context, features: torch.Tensor, start: int) -> None:
+    def _extend(self, request_id: str, features: torch.Tensor, start: int) -> None:
         """Add the context of target positions `start ..` (features [n, K*H])."""
+        ctx, tokens = self.contexts[request_id], self.tokens[request_id]
+        if not ctx.layers and start and self.prefixes:  # the target began after a prefix
+            ctx.layers = self.prefixes.lookup(tokens, start) or []
         weight = self.target.embed_tokens.weight
         positions = torch.arange(start, start + len(features), device=weight.device)
         new = self.draft.context(features.to(weight.device, weight.dtype), positions)
@@ -379,6 +435,8 @@ class DFlashDrafter(LocalDrafter):
         if self.window:
             new = [(k[-self.window :], v[-self.window :]) for k, v in new]
         ctx.layers, ctx.end = new, start + len(features)
+        if self.prefixes and len(new[0][0]) == ctx.end:  # the whole context, from position 0
+            self.prefixes.store(tokens, new, start, ctx.end)
 
     def _draft(self, requests: list[DraftRequest]) -> list[list[int]]:
         """One forward over every request's block -> each one's drafted chain."""
