@@ -319,7 +319,7 @@ class PrefixContexts:
     the newest `capacity` blocks. Where the target served a prompt's prefix from its cache
     and sent no features for it, a request takes that prefix's context from here."""
 
-    block_size = 16  # the engine's default K/V block: a cached prefix ends on one
+    block_size = 16  # positions per kept block
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -334,16 +334,14 @@ class PrefixContexts:
 
     def lookup(self, tokens: list[int], end: int) -> list[KV] | None:
         """Each layer's K/V of positions 0 .. end - 1, if every block of them is held."""
-        if end % self.block_size:
-            return None
-        hashes = self._hashes(tokens, end // self.block_size)
+        hashes = self._hashes(tokens, -(-end // self.block_size))
         if not all(h in self.blocks for h in hashes):
             return None
         for h in hashes:
             self.blocks.move_to_end(h)
         held = [self.blocks[h] for h in hashes]
         return [
-            (torch.cat([b[i][0] for b in held]), torch.cat([b[i][1] for b in held]))
+            (torch.cat([b[i][0] for b in held])[:end], torch.cat([b[i][1] for b in held])[:end])
             for i in range(len(held[0]))
         ]
 

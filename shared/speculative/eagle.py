@@ -24,19 +24,17 @@ as STANDALONE does (top-k per step, cumulative scores, rerank).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from specmesh.shared.core.sequence import Sequence
 from specmesh.shared.core.tree import DraftTree
-from specmesh.shared.kvcache.block_manager import BlockManager
+from specmesh.shared.kvcache.block_manager import BlockManager, block_hash
 from specmesh.shared.kvcache.kv_cache import KVCache
 from specmesh.shared.model.attention import SequenceSpan, TorchAttention
 from specmesh.shared.model.config import ModelConfig
@@ -584,9 +582,7 @@ class EagleDrafter(LocalDrafter):
         """What the K/V of pairs from target position `offset` on depends on besides their
         own tokens: the tokens before them and the head."""
         context = self.tokens[request_id][: offset + 1] + [self.head_version]
-        return hashlib.blake2b(
-            np.asarray(context, dtype=np.int64).tobytes(), digest_size=8
-        ).digest()
+        return block_hash(context, None).to_bytes(8, "little")
 
     def _expand(self, searches: list[TreeSearch], catch_up: bool) -> None:
         spans, ids, feats, positions, rows = [], [], [], [], []
