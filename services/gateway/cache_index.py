@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass, field
 
 from specmesh.shared.bus import Bus, BusError
-from specmesh.shared.kvcache.block_manager import block_hash
+from specmesh.shared.kvcache.block_manager import prefix_hashes
 from specmesh.shared.protocol import (
     CACHE_EVENTS,
     CacheEvents,
@@ -82,16 +82,7 @@ class CacheIndex:
         for instance_id, cache in self.workers.items():
             bs = cache.block_size
             if bs not in chains:
-                chains[bs] = _chain(prompt_ids[: (len(prompt_ids) - 1) // bs * bs], bs)
+                chains[bs] = prefix_hashes(prompt_ids[: (len(prompt_ids) - 1) // bs * bs], bs)
             held = itertools.takewhile(cache.hashes.__contains__, chains[bs])
             cached[instance_id] = sum(1 for _ in held) * bs
         return cached
-
-
-def _chain(token_ids: list[int], block_size: int) -> list[int]:
-    """The hashes of `token_ids`'s whole blocks, chained as prefix caches chain them."""
-    hashes, prev = [], None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        prev = block_hash(token_ids[start : start + block_size], prev)
-        hashes.append(prev)
-    return hashes

@@ -29,6 +29,15 @@ def block_hash(tokens: list[int], prev_hash: int | None, salt: bytes = b"") -> i
     return int.from_bytes(h.digest(), "little")
 
 
+def prefix_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """The hashes of `token_ids`'s whole blocks, chained as the prefix cache chains them."""
+    hashes, prev = [], None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        prev = block_hash(token_ids[start : start + block_size], prev)
+        hashes.append(prev)
+    return hashes
+
+
 def block_salt(images: PromptImages | None, index: int, block_size: int) -> bytes:
     """Block `index`'s salt: the digests of the prompt's images that begin in it."""
     if images is None:

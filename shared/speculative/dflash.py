@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from specmesh.shared.core.tree import DraftTree
-from specmesh.shared.kvcache.block_manager import block_hash
+from specmesh.shared.kvcache.block_manager import prefix_hashes
 from specmesh.shared.model.config import ModelConfig
 from specmesh.shared.model.layers import MLP, Linear, RMSNorm, pack_linears
 from specmesh.shared.model.llama import LlamaForCausalLM
@@ -325,17 +325,11 @@ class PrefixContexts:
         self.capacity = capacity
         self.blocks: OrderedDict[int, list[KV]] = OrderedDict()
 
-    def _hashes(self, tokens: list[int], count: int) -> list[int]:
-        hashes, prev, bs = [], None, self.block_size
-        for b in range(count):
-            prev = block_hash(tokens[b * bs : (b + 1) * bs], prev)
-            hashes.append(prev)
-        return hashes
-
     def lookup(self, tokens: list[int], end: int) -> list[KV] | None:
         """Each layer's K/V of positions 0 .. end - 1, if every block of them is held."""
-        hashes = self._hashes(tokens, -(-end // self.block_size))
-        if not all(h in self.blocks for h in hashes):
+        blocks = -(-end // self.block_size)
+        hashes = prefix_hashes(tokens[: blocks * self.block_size], self.block_size)
+        if len(hashes) < blocks or not all(h in self.blocks for h in hashes):
             return None
         for h in hashes:
             self.blocks.move_to_end(h)
@@ -350,7 +344,9 @@ class PrefixContexts:
         K/V of positions 0 .. end - 1)."""
         bs = self.block_size
         first, last = start // bs, end // bs
-        for b, h in enumerate(self._hashes(tokens, last)[first:], start=first):
+        if first == last:  # no block completed: most decode steps
+            return
+        for b, h in enumerate(prefix_hashes(tokens[: last * bs], bs)[first:], start=first):
             if h not in self.blocks:
                 rows = slice(b * bs, (b + 1) * bs)
                 self.blocks[h] = [(k[rows].clone(), v[rows].clone()) for k, v in layers]

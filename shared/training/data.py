@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from specmesh.shared.core.sequence import Sequence
 from specmesh.shared.engine.engine import LLMEngine
-from specmesh.shared.kvcache.block_manager import block_hash
+from specmesh.shared.kvcache.block_manager import prefix_hashes
 from specmesh.shared.sampling.params import SamplingParams
 from specmesh.shared.tokenizer import Tokenizer
 from tqdm import tqdm
@@ -219,22 +219,15 @@ class PrefixRows:
         self.block_size = block_size
         self.blocks: dict[int, torch.Tensor] = {}
 
-    def _hashes(self, ids: list[int]) -> list[int]:
-        hashes, prev, bs = [], None, self.block_size
-        for start in range(0, len(ids) - bs + 1, bs):
-            prev = block_hash(ids[start : start + bs], prev)
-            hashes.append(prev)
-        return hashes
-
     def fill(self, ids: list[int], rows: torch.Tensor, computed_from: int) -> None:
         """Fill `rows` before `computed_from` (a whole number of cached blocks)."""
         bs = self.block_size
-        for j, h in enumerate(self._hashes(ids)[: computed_from // bs]):
+        for j, h in enumerate(prefix_hashes(ids, bs)[: computed_from // bs]):
             rows[j * bs : (j + 1) * bs] = self.blocks[h]
 
     def add(self, prompt: list[int], rows: torch.Tensor) -> None:
         bs = self.block_size
-        for j, h in enumerate(self._hashes(prompt)):
+        for j, h in enumerate(prefix_hashes(prompt, bs)):
             self.blocks.setdefault(h, rows[j * bs : (j + 1) * bs])
 
 
