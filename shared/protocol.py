@@ -397,13 +397,14 @@ class VersionAcceptance(Message, kw_only=True):
 class ServedExample(Message, kw_only=True):
     """A finished request a drafter served: its tokens (prompt, then output), the target
     features it was sent for positions `feature_position`.. (float16, [rows, feature_dim]
-    row-major), and the live acceptance it counted since its last example, per version."""
+    row-major; feature_dim 0: a drafter that reads none, STANDALONE, sends no rows), and
+    the live acceptance it counted since its last example, per version."""
 
     token_ids: list[TokenId]
     prompt_len: Count
     features: bytes
     feature_position: Count
-    feature_dim: Annotated[int, msgspec.Meta(ge=1)]
+    feature_dim: Count
     acceptance: list[VersionAcceptance] = []
 
 

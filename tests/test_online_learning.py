@@ -1,9 +1,11 @@
-"""Online learning: a drafter pool whose head a learner trains on the traffic it serves.
+"""Online learning: a drafter pool whose draft model a learner trains on the traffic it
+serves.
 
-The trainer and the version store alone, then one deployment (EAGLE-3 over the services,
-learning online with thresholds small enough for a test) through which versions are
-published, swapped under concurrency, rolled back, refused and resumed, while greedy
-output stays the target's own.
+The trainers (one per algorithm family), the drafters' swap and the version store alone,
+then one deployment (EAGLE-3 over the services, learning online with thresholds small
+enough for a test) through which versions are published, swapped under concurrency,
+rolled back, refused and resumed, while greedy output stays the target's own; NEXTN,
+DFLASH and STANDALONE pools go through the same with their own checkpoints.
 """
 
 from __future__ import annotations
@@ -24,20 +26,26 @@ from pathlib import Path
 import pytest
 import torch
 from deployment import chat_text, heartbeats, listing, specmesh_up
-from helpers import SMOLLM_HEAD, write_eagle_head
+from helpers import SMOLLM_HEAD, tiny_llama, write_eagle_head
 from safetensors.torch import load_file, save_file
 from specmesh.services.learner.versions import HeadVersions
 from specmesh.shared.engine.engine import EngineConfig, LLMEngine
 from specmesh.shared.infra import start_nats
 from specmesh.shared.model.loader import load_model
 from specmesh.shared.sampling.params import SamplingParams
-from specmesh.shared.speculative.config import shipped_drafter
-from specmesh.shared.speculative.eagle import load_head
+from specmesh.shared.speculative.config import SpeculativeConfig, shipped_drafter
+from specmesh.shared.speculative.drafter import DraftRequest
+from specmesh.shared.speculative.factory import make_drafter
 from specmesh.shared.speculative.head_blob import WEIGHTS
 from specmesh.shared.tokenizer import Tokenizer
 from specmesh.shared.training.data import Sample
 from specmesh.shared.training.features import extract
-from specmesh.shared.training.online import OnlineOptions, OnlineTrainer, is_heldout
+from specmesh.shared.training.online import (
+    OnlineOptions,
+    OnlineTrainer,
+    is_heldout,
+    online_trainer,
+)
 from specmesh.shared.transport.shm import ShmTransport
 
 TOPICS = "owls rivers volcanoes bread chess rain bees trains moons glass salt maps clocks ice"
@@ -59,16 +67,52 @@ def test_the_heldout_share_is_a_fixed_hash_of_the_prompt() -> None:
     assert held == [is_heldout(list(p), 0.1) for p in prompts]  # the same prompts, always
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE3", "NEXTN"])
+def shipped_trainer(smollm_dir: Path, algorithm: str, **options: float) -> OnlineTrainer:
+    """A learner's trainer of `algorithm`'s shipped drafter, drafting as a pool does (its
+    chain length, its token map)."""
+    target = load_model(str(smollm_dir), torch.device("cpu"), torch.float32)
+    spec = SpeculativeConfig(speculative_algorithm=algorithm).resolved()
+    return online_trainer(
+        algorithm,
+        target.requires_grad_(False),
+        OnlineOptions(ttt_steps=spec.speculative_num_steps, heldout_share=0.25, **options),
+        Path(spec.speculative_draft_model_path),
+        json.loads((smollm_dir / "config.json").read_text()),
+        spec.speculative_token_map,
+    )
+
+
+def add_served(trainer: OnlineTrainer, samples: list[Sample]) -> list[torch.Tensor | None]:
+    """Each sample as its drafter would have sent it: the target features it reads (none
+    where it reads none) of the positions before the last token; returns them."""
+    layers, normed = trainer.target_features
+    features: list[torch.Tensor | None] = [None] * len(samples)
+    if layers:
+        views = extract(trainer.target, samples, layers, normed, store_dtype=torch.float16)
+        features = [view.features[:-1] for view in views]
+    for sample, rows in zip(samples, features, strict=True):
+        trainer.add(sample.ids, sample.spans[0][0], rows, 0)
+    return features
+
+
+# Steps and options that learn the lists below: DFLASH's steps cost the most (blocks of 8).
+LEARNING = {
+    "EAGLE3": (8, {"lr": 1e-3, "batch_tokens": 768}),
+    "NEXTN": (8, {"lr": 1e-3, "batch_tokens": 768}),
+    "DFLASH": (6, {"lr": 3e-3, "batch_tokens": 300}),
+    "STANDALONE": (6, {"lr": 2e-3, "batch_tokens": 300}),
+}
+
+
+@pytest.mark.parametrize("algorithm", list(LEARNING))
 def test_training_on_served_examples_raises_heldout_acceptance(
     smollm_dir: Path, algorithm: str
 ) -> None:
-    """Numbered lists of a few words: the shipped head drafts them poorly until trained on
-    what a drafter would have been sent (the target's features, its tokens)."""
-    target = load_model(str(smollm_dir), torch.device("cpu"), torch.float32)
-    head, spec, _ = load_head(Path(shipped_drafter(None, algorithm)), algorithm, target)
-    options = OnlineOptions(lr=1e-3, heldout_share=0.25, batch_tokens=768)
-    trainer = OnlineTrainer(target.requires_grad_(False), head, options)
+    """Numbered lists of a few words: the shipped drafter drafts them poorly until trained
+    on what it would have been sent (the target's features where it reads them, the
+    tokens)."""
+    steps, options = LEARNING[algorithm]
+    trainer = shipped_trainer(smollm_dir, algorithm, **options)
     tok, rng = Tokenizer(smollm_dir), random.Random(0)
     words = "apple river stone cloud tiger lamp piano forest candle mirror".split()
     served = []
@@ -78,39 +122,34 @@ def test_training_on_served_examples_raises_heldout_acceptance(
         prompt = tok.encode_chat([{"role": "user", "content": content}])
         answer = tok.encode("\n".join(f"{k + 1}. {w.capitalize()}" for k, w in enumerate(chosen)))
         served.append(Sample(prompt + answer, [(len(prompt), len(prompt) + len(answer))]))
-    layers, normed = spec.target_features
-    for sample, view in zip(served, extract(target, served, layers, normed), strict=True):
-        features = view.features[:-1].to(torch.float16)  # positions before the last token
-        trainer.add(sample.ids, sample.spans[0][0], features, 0)
+    add_served(trainer, served)
     assert len(trainer.heldout) >= 4 and trainer.take_new() == len(trainer.train_set)
-    before = trainer.heldout_acceptance(copy.deepcopy(trainer.head))
-    for _ in range(8):
+    before = trainer.heldout_acceptance(copy.deepcopy(trainer.draft))
+    for _ in range(steps):
         trainer.train_step()
-    assert trainer.heldout_acceptance(trainer.head) > before + 0.3
+    assert trainer.heldout_acceptance(trainer.draft) > before + 0.3
 
 
-def test_a_restarted_trainer_gets_its_examples_back(smollm_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "STANDALONE"])  # STANDALONE: no features
+def test_a_restarted_trainer_gets_its_examples_back(
+    smollm_dir: Path, tmp_path: Path, algorithm: str
+) -> None:
     """The buffers' tokens are saved; a new trainer restores them, features recomputed,
     as older than what arrived since; a damaged file is an error, not a crash later."""
-    target = load_model(str(smollm_dir), torch.device("cpu"), torch.float32)
-    head, spec, _ = load_head(Path(shipped_drafter(None, "EAGLE3")), "EAGLE3", target)
-    options = OnlineOptions(heldout_share=0.25)
-    trainer = OnlineTrainer(target.requires_grad_(False), head, options)
+    trainer = shipped_trainer(smollm_dir, algorithm)
     tok = Tokenizer(smollm_dir)
     served = []
     for i in range(10):
         prompt = tok.encode_chat([{"role": "user", "content": f"Count to {i + 3}."}])
         answer = tok.encode(", ".join(str(k) for k in range(1, i + 4)))
         served.append(Sample(prompt + answer, [(len(prompt), len(prompt) + len(answer))]))
-    views = extract(target, served, *spec.target_features, store_dtype=torch.float16)
-    for sample, view in zip(served, views, strict=True):
-        trainer.add(sample.ids, sample.spans[0][0], view.features[:-1], 0)
+    features = add_served(trainer, served)
     path = tmp_path / "examples.jsonl"
     trainer.save_examples(path)
-    again = OnlineTrainer(target, copy.deepcopy(head), options)  # a restarted learner
+    again = shipped_trainer(smollm_dir, algorithm)  # a restarted learner
     newest = served[-1]
-    again.add(newest.ids, newest.spans[0][0], views[-1].features[:-1], 0)
-    assert again.restore_examples(path, spec.target_features) == len(served)
+    again.add(newest.ids, newest.spans[0][0], features[-1], 0)
+    assert again.restore_examples(path) == len(served)
     for buffer, before in ((again.train_set, trainer.train_set), (again.heldout, trainer.heldout)):
         restored = [e.sample.ids for e in buffer][: len(before)]
         assert restored == [e.sample.ids for e in before]  # older than the one added since
@@ -119,7 +158,7 @@ def test_a_restarted_trainer_gets_its_examples_back(smollm_dir: Path, tmp_path: 
     assert torch.allclose(restored.features[:-1].float(), saved.features[:-1].float(), atol=1e-2)
     path.write_text('{"ids": [1, 2')
     with pytest.raises(ValueError):
-        again.restore_examples(path, spec.target_features)
+        again.restore_examples(path)
 
 
 def test_versions_persist_and_their_blobs_are_stored(tmp_path: Path) -> None:
@@ -185,18 +224,80 @@ class Pool:
         return "\n".join(line for line in self.log.read_text().splitlines() if "learner" in line)
 
 
-def random_head(path: Path) -> Path:
-    """A head shaped as the shipped one, with random weights: it drafts nothing right."""
-    shipped = Path(shipped_drafter(None, "EAGLE3"))
+def noisy_drafter(algorithm: str, path: Path, noise: float) -> Path:
+    """The shipped drafter of `algorithm` with seeded noise added to its weights, `noise`
+    times each tensor's mean magnitude: a little drafts about as well, a lot (random
+    weights) nothing right."""
+    shipped = Path(shipped_drafter(None, algorithm))
     path.mkdir()
     shutil.copy(shipped / "config.json", path / "config.json")
     generator = torch.Generator().manual_seed(0)
-    tensors = {
-        name: torch.randn(t.shape, generator=generator).to(t.dtype) if t.is_floating_point() else t
-        for name, t in load_file(shipped / WEIGHTS).items()
-    }
+    tensors = {}
+    for name, t in load_file(shipped / WEIGHTS).items():
+        if t.is_floating_point():
+            scale = noise * t.float().abs().mean()
+            t = (t.float() + scale * torch.randn(t.shape, generator=generator)).to(t.dtype)
+        tensors[name] = t
     save_file(tensors, path / WEIGHTS)
     return path
+
+
+def mismatched_drafter(algorithm: str, path: Path) -> Path:
+    """A checkpoint the pool's drafters cannot take: EAGLE-3's for a target of another
+    width, an EAGLE-3 head for DFLASH, a narrower LM for STANDALONE."""
+    path.mkdir()
+    if algorithm == "EAGLE3":
+        other = {**SMOLLM_HEAD, "hidden_size": 64, "intermediate_size": 128}
+        return Path(write_eagle_head(path, eagle3=True, shape=other))
+    if algorithm == "DFLASH":
+        shutil.copytree(Path(shipped_drafter(None, "EAGLE3")), path, dirs_exist_ok=True)
+        return path
+    return Path(tiny_llama(path, vocab=49152, seed=0))
+
+
+@pytest.mark.parametrize("algorithm", ["DFLASH", "STANDALONE"])
+def test_a_swapped_drafter_drafts_as_one_loaded_with_the_new_weights(
+    smollm_dir: Path, tmp_path: Path, algorithm: str
+) -> None:
+    """After a swap, nothing the old weights computed is read: an open request drafts as
+    a drafter loaded with the new weights does given the same news from there on
+    (STANDALONE recomputes its whole context; DFLASH's starts at the features after the
+    swap), and a request opened later takes no prefix the old weights computed."""
+    target = load_model(str(smollm_dir), torch.device("cpu"), torch.float32)
+    spec = SpeculativeConfig(speculative_algorithm=algorithm, speculative_adaptive=False)
+    spec = spec.resolved()
+    swapped = make_drafter(spec, target)
+    new_path = noisy_drafter(algorithm, tmp_path / "new", 0.1)
+    fresh = make_drafter(
+        SpeculativeConfig(**{**spec.__dict__, "speculative_draft_model_path": str(new_path)}),
+        target,
+    )
+    width = len(swapped.target_features[0]) * target.config.hidden_size
+    prompt = Tokenizer(smollm_dir).encode_chat([{"role": "user", "content": PROMPTS[0]}])
+    answer = [28, 253, 314, 1171, 30, 216, 17, 30]  # what a target might have emitted
+    ids = prompt + answer
+    features = torch.randn(len(ids), width, generator=torch.Generator().manual_seed(0))
+    budget = spec.speculative_num_steps
+
+    def news(request_id: str, start: int, end: int, position: int) -> DraftRequest:
+        """Tokens start..end-1 accepted; the features of positions `position`..end-2."""
+        rows = features[position : end - 1] if width else None
+        return DraftRequest(request_id, ids[start:end], budget, rows, position)
+
+    swapped.open("a", prompt)
+    swapped.propose([news("a", len(prompt), len(prompt), 0)])
+    swapped.propose([news("a", len(prompt), len(prompt) + 4, len(prompt) - 1)])
+    swapped.use(swapped.prepared(new_path))
+    fresh.open("a", prompt)
+    swap_at = len(prompt) + 3  # the first position whose features come after the swap
+    after = [news("a", len(prompt) + 4, len(ids), swap_at)]
+    drafts = swapped.propose(after)
+    after = [news("a", len(prompt), len(ids), swap_at)]
+    assert drafts == fresh.propose(after) and len(drafts[0]) == budget + 1
+    for drafter in (swapped, fresh):  # after a prefix the target served from its cache
+        drafter.open("b", prompt)
+    later = [news("b", len(prompt), len(prompt), 16)]
+    assert swapped.propose(later) == fresh.propose(later)
 
 
 @contextlib.contextmanager
@@ -239,8 +340,13 @@ def test_heads_swapped_under_concurrency_leave_output_unchanged(
 def test_a_head_that_drafts_worse_is_rolled_back(
     pool: Pool, reference: dict[str, str], tmp_path: Path
 ) -> None:
+    a_worse_version_is_rolled_back(pool, reference, noisy_drafter("EAGLE3", tmp_path / "bad", 50))
+
+
+def a_worse_version_is_rolled_back(pool: Pool, reference: dict[str, str], head: Path) -> None:
+    """`head` pushed, drafted with while output stays the target's, then rolled back."""
     last = max(int(v) for v in pool.state()["versions"])
-    pool.push(random_head(tmp_path / "random"), "random")
+    pool.push(head, "worse")
     pool.wait_for("the push", lambda: pool.pushed(last) is not None)
     bad = pool.pushed(last)
     pool.wait_for("the drafter on it", lambda: pool.drafter_version() == bad)
@@ -253,17 +359,22 @@ def test_a_head_that_drafts_worse_is_rolled_back(
 
 @pytest.mark.parametrize("kind", ["mismatched", "corrupt"])
 def test_a_corrupt_or_mismatched_head_is_refused(pool: Pool, kind: str, tmp_path: Path) -> None:
-    """Every drafter refuses it and drafts on; the pool goes back to the version it had
+    a_version_is_refused(pool, unfit_drafter("EAGLE3", kind, tmp_path / kind), kind)
+
+
+def unfit_drafter(algorithm: str, kind: str, path: Path) -> Path:
+    """A mismatched checkpoint (`mismatched_drafter`), or the shipped one cut short."""
+    if kind == "mismatched":
+        return mismatched_drafter(algorithm, path)
+    shutil.copytree(Path(shipped_drafter(None, algorithm)), path)
+    (path / WEIGHTS).write_bytes((path / WEIGHTS).read_bytes()[:100_000])
+    return path
+
+
+def a_version_is_refused(pool: Pool, head: Path, kind: str) -> None:
+    """Every drafter refuses `head` and drafts on; the pool goes back to the version it had
     (the learner may publish trained ones meanwhile)."""
     last = max(int(v) for v in pool.state()["versions"])
-    if kind == "mismatched":  # a head for a target of another width
-        other = {**SMOLLM_HEAD, "hidden_size": 64, "intermediate_size": 128}
-        (tmp_path / kind).mkdir()
-        head = Path(write_eagle_head(tmp_path / kind, eagle3=True, shape=other))
-    else:  # cut short
-        head = tmp_path / kind
-        shutil.copytree(Path(shipped_drafter(None, "EAGLE3")), head)
-        (head / WEIGHTS).write_bytes((head / WEIGHTS).read_bytes()[:100_000])
     pool.push(head, kind)
     pool.wait_for("the push", lambda: pool.pushed(last) is not None)
     pushed = pool.pushed(last)
@@ -298,3 +409,18 @@ def test_a_nextn_pool_learns_in_the_mtp_layout(
         trained_versions_are_drafted_with(pool, reference)
         config = json.loads((pool.root / "versions" / "1" / "config.json").read_text())
         assert config["num_nextn_predict_layers"] == 1
+
+
+@pytest.mark.parametrize("algorithm", ["DFLASH", "STANDALONE"])
+def test_block_drafts_and_draft_lms_learn_as_heads_do(
+    smollm_dir: Path, reference: dict[str, str], tmp_path: Path, algorithm: str
+) -> None:
+    """DFLASH's block draft and STANDALONE's draft LM: trained versions are drafted with
+    under concurrency, a worse one is rolled back, corrupt and mismatched ones are refused,
+    and output stays the target's throughout."""
+    with learning_pool(smollm_dir, tmp_path, algorithm) as pool:
+        trained_versions_are_drafted_with(pool, reference)
+        bad = noisy_drafter(algorithm, tmp_path / "bad", 50)
+        a_worse_version_is_rolled_back(pool, reference, bad)
+        for kind in ("mismatched", "corrupt"):
+            a_version_is_refused(pool, unfit_drafter(algorithm, kind, tmp_path / kind), kind)

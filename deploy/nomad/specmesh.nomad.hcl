@@ -19,7 +19,7 @@
 # Clients need the Docker driver, a host volume "specmesh-models" for the model cache, and
 # for the GPU pools the NVIDIA device plugin (device "nvidia/gpu").
 #
-# Online learning (EAGLE, EAGLE3, NEXTN): -var speculative_online_learning=true -var learner_count=1
+# Online learning (all but NGRAM): -var speculative_online_learning=true -var learner_count=1
 # runs the pool's learner, which trains on what the drafters serve and publishes heads that
 # do better; its versions persist in the host volume "specmesh-learner", so a restarted
 # pool resumes the latest head.

@@ -1,13 +1,14 @@
-"""A drafter's part in online learning: it drafts with the head version the learner
-announces, counts live acceptance per version, and hands each finished request over as
-a training example.
+"""A drafter's part in online learning: it drafts with the version (an EAGLE head, a
+DFLASH block draft or a STANDALONE LM) the learner announces, counts live acceptance per
+version, and hands each finished request over as a training example.
 
 Live acceptance: a request's tree with drafts, made with version v, is verified before
 its next draft step, whose new tokens are what that verification emitted (accepted
 drafts + the bonus token); that count goes to v's tally.
 
 Examples carry the target features the drafter was sent (float16), the newest rows
-within EXAMPLE_FEATURE_BYTES so that one fits a NATS message whatever the model.
+within EXAMPLE_FEATURE_BYTES so that one fits a NATS message whatever the model; a
+drafter that reads none (STANDALONE) sends tokens alone.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from specmesh.shared.protocol import (
@@ -27,7 +29,7 @@ from specmesh.shared.protocol import (
     ServedExample,
     VersionAcceptance,
 )
-from specmesh.shared.speculative.eagle import EagleDrafter, EagleHead
+from specmesh.shared.speculative.drafter import SwappableDrafter
 from specmesh.shared.speculative.head_blob import write_head
 from specmesh.shared.telemetry import HEAD_REFUSALS, HEAD_SWAPS, ONLINE_HEAD_VERSION
 from specmesh.shared.transport.base import KVTransport
@@ -49,8 +51,11 @@ class Served:
 
 
 class OnlineDrafting:
-    def __init__(self, drafter: EagleDrafter, transport: KVTransport, instance_id: str) -> None:
-        self.drafter, self.transport, self.instance_id = drafter, transport, instance_id
+    def __init__(
+        self, drafter: SwappableDrafter, algorithm: str, transport: KVTransport, instance_id: str
+    ) -> None:
+        self.drafter, self.algorithm = drafter, algorithm
+        self.transport, self.instance_id = transport, instance_id
         self.version = 0  # the pool starts from the configured head
         self.refused: set[str] = set()  # sha256 of versions this drafter cannot take
         self.served: dict[str, Served] = {}
@@ -81,12 +86,11 @@ class OnlineDrafting:
     def closed(self, request_id: str) -> ServedExample | None:
         """The request as a training example, with the tallies counted since the last."""
         served = self.served.pop(request_id, None)
-        if served is None or not served.features:
-            return None  # nothing drafted for it here (an unknown request, or no features)
-        rows = np.concatenate(served.features)
-        keep = max(1, EXAMPLE_FEATURE_BYTES // rows[0].nbytes)
-        position = served.feature_position + max(0, len(rows) - keep)
-        rows = rows[-keep:]
+        if served is None or len(served.tokens) == served.prompt_len:
+            return None  # nothing served here (an unknown request, or no step)
+        if self.drafter.target_features[0] and not served.features:
+            return None  # the drafter reads features, and none came for this request
+        rows, position = newest_rows(served)
         acceptance = [
             VersionAcceptance(version=v, steps=steps, tokens=emitted)
             for v, (steps, emitted) in self.tally.items()
@@ -110,7 +114,7 @@ class OnlineDrafting:
         """Take an announced version: fetched, checked, loaded beside the current head,
         then swapped in on the drafting thread between two steps."""
         if (
-            head.algorithm != self.drafter.algorithm
+            head.algorithm != self.algorithm
             or head.version == self.version
             or head.sha256 in self.refused
         ):
@@ -143,13 +147,23 @@ class OnlineDrafting:
         await on_draft_thread(self._use, new, head.version)
         log.info("drafting with head version %d", head.version)
 
-    def _prepared(self, head: HeadVersion, blob: bytes) -> EagleHead:
+    def _prepared(self, head: HeadVersion, blob: bytes) -> Any:
         with tempfile.TemporaryDirectory(prefix="specmesh-head-") as tmp:
             write_head(blob, head.sha256, head.config, Path(tmp))
             return self.drafter.prepared(Path(tmp))
 
-    def _use(self, head: EagleHead, version: int) -> None:
-        self.drafter.use(head)
+    def _use(self, prepared: Any, version: int) -> None:
+        self.drafter.use(prepared)
         self.version = version
         HEAD_SWAPS.inc()
         ONLINE_HEAD_VERSION.labels("drafter").set(version)
+
+
+def newest_rows(served: Served) -> tuple[np.ndarray, int]:
+    """The features to send of a request, [rows, dim] (dim 0: none came), and the position
+    of the first: the newest within EXAMPLE_FEATURE_BYTES."""
+    if not served.features:
+        return np.zeros((0, 0), np.float16), 0
+    rows = np.concatenate(served.features)
+    keep = max(1, EXAMPLE_FEATURE_BYTES // rows[0].nbytes)
+    return rows[-keep:], served.feature_position + max(0, len(rows) - keep)

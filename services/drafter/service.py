@@ -41,8 +41,7 @@ from specmesh.shared.protocol import (
 )
 from specmesh.shared.service import Service, ServiceConfig
 from specmesh.shared.speculative.config import SpeculativeConfig
-from specmesh.shared.speculative.drafter import DraftRequest
-from specmesh.shared.speculative.eagle import EagleDrafter
+from specmesh.shared.speculative.drafter import DraftRequest, SwappableDrafter
 from specmesh.shared.speculative.factory import make_drafter
 from specmesh.shared.telemetry import ACTIVE_REQUESTS, DRAFT_SECONDS
 from specmesh.shared.transport import TransportConfig
@@ -76,8 +75,13 @@ class DrafterService(Service):
         self.on_io_thread = target is None
         self.online: OnlineDrafting | None = None
         if self.spec.speculative_online_learning:
-            assert isinstance(self.drafter, EagleDrafter)  # as resolved() allows
-            self.online = OnlineDrafting(self.drafter, tcfg.open(cfg.nats_url), self.instance_id)
+            assert isinstance(self.drafter, SwappableDrafter)  # as resolved() allows
+            self.online = OnlineDrafting(
+                self.drafter,
+                self.spec.speculative_algorithm,
+                tcfg.open(cfg.nats_url),
+                self.instance_id,
+            )
 
     async def start(self) -> None:
         await self.bus.serve(drafter_subject(self.instance_id), self.handle)

@@ -1,4 +1,5 @@
-"""The learner: one per drafter pool, training its head on what the pool serves.
+"""The learner: one per drafter pool, training its draft model (an EAGLE head, a DFLASH
+block draft or a STANDALONE LM: `online_trainer` picks how) on what the pool serves.
 
 Drafters send each finished request (`ServedExample`, with the live acceptance they
 counted per head version). The main thread trains: a round of optimizer steps once enough
@@ -39,7 +40,6 @@ from specmesh.shared.protocol import (
 )
 from specmesh.shared.service import Service, ServiceConfig
 from specmesh.shared.speculative.config import ONLINE_ALGORITHMS, SpeculativeConfig
-from specmesh.shared.speculative.eagle import EagleHead, HeadSpec, load_head, save_head, save_mtp
 from specmesh.shared.telemetry import (
     EXAMPLES_BUFFERED,
     HELDOUT_ACCEPTANCE,
@@ -49,7 +49,7 @@ from specmesh.shared.telemetry import (
     ROLLBACKS,
     TRAIN_STEPS,
 )
-from specmesh.shared.training.online import OnlineOptions, OnlineTrainer
+from specmesh.shared.training.online import OnlineOptions, online_trainer
 from specmesh.shared.transport import TransportConfig
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class LearnerService(Service):
         spec = spec.resolved(lcfg.model)
         self.algorithm = spec.speculative_algorithm or ""
         if self.algorithm not in ONLINE_ALGORITHMS:
-            raise ValueError(f"a learner trains {' or '.join(ONLINE_ALGORITHMS)} heads")
+            raise ValueError(f"a learner trains {', '.join(ONLINE_ALGORITHMS)} drafters")
         device = resolve_device(lcfg.device)
         target_dir = resolve_model(lcfg.model)
         self.target = load_model(str(target_dir), device, torch.float32).requires_grad_(False)
@@ -84,25 +84,28 @@ class LearnerService(Service):
         base = Path(spec.speculative_draft_model_path or "")
         self.versions = HeadVersions(root, base, self.algorithm)
         self.lock = threading.Lock()  # the versions' state: the io thread's and the trainer's
-        self.trained_from = self.versions.current  # the version the trainer's head grew from
-        self.current_head, self.spec = self._load(self.trained_from)
+        self.trained_from = self.versions.current  # the version the trainer's draft grew from
         options = OnlineOptions(
             ttt_steps=spec.speculative_num_steps or 4,
             lr=online.speculative_online_lr,
             buffer_size=online.speculative_online_buffer_size,
             heldout_share=online.speculative_online_heldout_share,
         )
-        self.trainer = OnlineTrainer(self.target, copy.deepcopy(self.current_head), options)
+        self.trainer = online_trainer(
+            self.algorithm,
+            self.target,
+            options,
+            self.versions.path(self.trained_from),
+            self.target_config,
+            spec.speculative_token_map,
+        )
+        self.current_draft = self.trainer.load(self.versions.path(self.trained_from))
         self.transport = tcfg.open(cfg.nats_url)
         self.live: dict[int, list[int]] = {}  # version -> [verification steps, tokens]
         self.round_left = 0  # optimizer steps left in the round
         self.announcement = self.versions.announcement(self.transport.address)
         ONLINE_HEAD_VERSION.labels(self.kind).set(self.versions.current)
         log.info("learning %s online from version %d", self.algorithm, self.versions.current)
-
-    def _load(self, version: int) -> tuple[EagleHead, HeadSpec]:
-        head, spec, _ = load_head(self.versions.path(version), self.algorithm, self.target)
-        return head.float().eval(), spec
 
     async def start(self) -> None:
         await self.bus.serve(LEARN_EXAMPLES, self.on_example, queue="learner")
@@ -122,8 +125,10 @@ class LearnerService(Service):
             await asyncio.sleep(self.cfg.heartbeat_interval)
 
     async def on_example(self, msg: ServedExample) -> None:
-        features = np.frombuffer(msg.features, np.float16).reshape(-1, msg.feature_dim)
-        rows = torch.from_numpy(features.copy())
+        rows = None  # a drafter that reads no features (STANDALONE) sends none
+        if msg.feature_dim:
+            features = np.frombuffer(msg.features, np.float16).reshape(-1, msg.feature_dim)
+            rows = torch.from_numpy(features.copy())
         self.trainer.add(list(msg.token_ids), msg.prompt_len, rows, msg.feature_position)
         for t in msg.acceptance:
             tally = self.live.setdefault(t.version, [0, 0])
@@ -252,7 +257,7 @@ class LearnerService(Service):
         if not self.examples_path.is_file():
             return
         try:
-            count = self.trainer.restore_examples(self.examples_path, self.spec.target_features)
+            count = self.trainer.restore_examples(self.examples_path)
         except (ValueError, KeyError, TypeError, RuntimeError) as exc:  # a damaged file
             log.warning("cannot restore served examples from %s: %s", self.examples_path, exc)
         else:
@@ -265,24 +270,17 @@ class LearnerService(Service):
             current = self.versions.current
             settled = self.versions.records[current].status == "kept"
         if current != self.trained_from and settled:
-            self.current_head, _ = self._load(current)
-            self.trainer.reset(copy.deepcopy(self.current_head))
+            self.current_draft = self.trainer.load(self.versions.path(current))
+            self.trainer.reset(copy.deepcopy(self.current_draft))
             self.trained_from, self.round_left = current, 0
             log.info("training on from head version %d", current)
 
-    def _save(self, head: EagleHead, path: Path) -> None:
-        """`head` as a checkpoint in the layout the pool's drafters load."""
-        if head.mtp:
-            save_mtp(head, path, self.target_config)
-        else:
-            save_head(head, path, self.target.config, self.spec)
-
     def _judge_candidate(self) -> None:
-        """Publish the trained head if it beats the pool's on held-out traffic."""
+        """Publish the trained draft if it beats the pool's on held-out traffic."""
         if len(self.trainer.heldout) < MIN_HELDOUT:
             return
-        candidate = self.trainer.heldout_acceptance(self.trainer.head)
-        current = self.trainer.heldout_acceptance(self.current_head)
+        candidate = self.trainer.heldout_acceptance(self.trainer.draft)
+        current = self.trainer.heldout_acceptance(self.current_draft)
         HELDOUT_ACCEPTANCE.labels(str(self.trained_from)).set(current)
         log.info(
             "held-out acceptance length: candidate %.3f, version %d %.3f",
@@ -292,16 +290,16 @@ class LearnerService(Service):
         )
         if candidate < current + self.online.speculative_online_min_gain:
             return
-        head = copy.deepcopy(self.trainer.head).eval()
+        draft = copy.deepcopy(self.trainer.draft).eval()
         with self.lock:
             if self.versions.current != self.trained_from:
                 return  # the pool moved on while this round ran
             version = self.versions.add(
-                lambda path: self._save(copy.deepcopy(head), path),
+                lambda path: self.trainer.save(copy.deepcopy(draft), path),
                 self.trained_from,
                 "trained",
                 candidate,
             )
             self._publish(version, "trained")
-        self.current_head, self.trained_from = head, version
+        self.current_draft, self.trained_from = draft, version
         HELDOUT_ACCEPTANCE.labels(str(version)).set(candidate)

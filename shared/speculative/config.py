@@ -12,7 +12,8 @@ ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN", "DFLASH")
 ALIASES = {"MTP": "NEXTN"}  # SGLang's names for the same algorithm
 # Drafters that grow one chain: a draft step's top-1 only (SGLang: topk 1).
 CHAIN_ONLY = ("NEXTN", "DFLASH")
-ONLINE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")  # drafters a learner trains from served traffic
+# Drafters a learner trains from served traffic (their weights swap while serving).
+ONLINE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "DFLASH", "STANDALONE")
 
 
 def _drafters() -> Path | None:
@@ -124,8 +125,9 @@ class SpeculativeConfig:
     )
     speculative_online_learning: bool = option(
         False,
-        "EAGLE/EAGLE3 over the services: drafters send what they serve to a learner, which "
-        "trains the head and publishes better versions; every drafter follows them",
+        "over the services (every algorithm but NGRAM): drafters send what they serve to a "
+        "learner, which trains the draft model and publishes better versions; every drafter "
+        "follows them",
     )
 
     @property
@@ -199,7 +201,7 @@ class SpeculativeConfig:
             )
         if self.speculative_online_learning and algo not in ONLINE_ALGORITHMS:
             raise ValueError(
-                f"--speculative-online-learning trains {' and '.join(ONLINE_ALGORITHMS)} heads, "
+                f"--speculative-online-learning trains {', '.join(ONLINE_ALGORITHMS)} drafters, "
                 f"not {algo}"
             )
         window = self.speculative_dflash_draft_window_size

@@ -367,15 +367,13 @@ class _Context:
 class DFlashDrafter(LocalDrafter):
     def __init__(self, cfg: SpeculativeConfig, target: LlamaForCausalLM) -> None:
         weight = target.embed_tokens.weight
-        device, dtype = weight.device, weight.dtype
-        path = Path(cfg.speculative_draft_model_path)
-        self.draft = load_dflash(path, target.config).to(device, dtype).eval()
-        quantize_drafter(self.draft, cfg.speculative_draft_model_quantization)
-        pack_linears(self.draft)
+        device = weight.device
+        self.target = target
+        self.quantization = cfg.speculative_draft_model_quantization
+        self.draft = self._loaded(Path(cfg.speculative_draft_model_path))
         spec = self.draft.spec
         self.block_size = cfg.speculative_num_draft_tokens  # at most spec's (resolved() checks)
         self.window = cfg.speculative_dflash_draft_window_size
-        self.target = target
         self.target_features = (spec.target_layers, False)
         self.mask_token_id = spec.mask_token_id
         # FR-Spec: score only the listed rows of the target's LM head.
@@ -388,6 +386,40 @@ class DFlashDrafter(LocalDrafter):
         self.contexts: dict[str, _Context] = {}
         # A window keeps no prefix whole, so nothing to share.
         self.prefixes = None if self.window else PrefixContexts(PREFIX_CONTEXT_BLOCKS)
+
+    def _loaded(self, path: Path) -> DFlashDraft:
+        weight = self.target.embed_tokens.weight
+        draft = load_dflash(path, self.target.config).to(weight.device, weight.dtype).eval()
+        quantize_drafter(draft, self.quantization)
+        pack_linears(draft)
+        return draft
+
+    def prepared(self, path: Path) -> DFlashDraft:
+        """The draft at `path`, loaded and checked to take this one's place (any thread);
+        ValueError if it does not fit the target, the features the pool sends or its
+        block."""
+        draft = self._loaded(path)
+        if (draft.spec.target_layers, False) != self.target_features:
+            raise ValueError(
+                f"it reads target layers {list(draft.spec.target_layers)}, this drafter "
+                f"{list(self.target_features[0])}"
+            )
+        if draft.spec.block_size < self.block_size:
+            raise ValueError(
+                f"it was trained for blocks of {draft.spec.block_size}; this drafter drafts "
+                f"{self.block_size}"
+            )
+        return draft
+
+    def use(self, draft: DFlashDraft) -> None:
+        """Draft with `draft` (from `prepared`) from the next call on, on the thread that
+        drafts. Every context the old draft's layers projected is dropped: an open request
+        drafts again once its next features are projected by the new one (from there on,
+        or whole where a later request stored its prefix), and no prefix is kept."""
+        self.draft, self.mask_token_id = draft, draft.spec.mask_token_id
+        self.contexts = {request_id: _Context() for request_id in self.contexts}
+        if self.prefixes:
+            self.prefixes = PrefixContexts(PREFIX_CONTEXT_BLOCKS)
 
     def open(self, request_id: str, prompt_ids: list[int]) -> None:
         self.tokens[request_id] = list(prompt_ids)

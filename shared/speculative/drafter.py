@@ -12,7 +12,8 @@ from __future__ import annotations
 import abc
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from specmesh.shared.core.tree import DraftTree
@@ -43,6 +44,22 @@ class Drafter(Protocol):
         ...
 
     def close(self, request_id: str) -> None: ...
+
+
+@runtime_checkable
+class SwappableDrafter(Drafter, Protocol):
+    """A model drafter whose weights a new version replaces while it serves (learning
+    online: EAGLE's, DFLASH's and STANDALONE's)."""
+
+    def prepared(self, path: Path) -> Any:
+        """The checkpoint at `path`, loaded and checked to take the current weights' place
+        (on any thread); ValueError if it does not fit this drafter."""
+        ...
+
+    def use(self, prepared: Any) -> None:
+        """Draft with what `prepared` returned from the next call on, on the thread that
+        drafts; nothing the old weights computed is read again by a later request."""
+        ...
 
 
 class LocalDrafter(abc.ABC):

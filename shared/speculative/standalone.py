@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from specmesh.shared.core.sequence import Sequence
@@ -21,6 +22,7 @@ from specmesh.shared.core.tree import DraftTree, ancestor_mask
 from specmesh.shared.kvcache.block_manager import BlockManager
 from specmesh.shared.kvcache.kv_cache import KVCache
 from specmesh.shared.model.attention import SequenceSpan
+from specmesh.shared.model.config import ModelConfig
 from specmesh.shared.model.layers import Linear
 from specmesh.shared.model.llama import LlamaForCausalLM
 from specmesh.shared.model.loader import load_model
@@ -98,6 +100,11 @@ def packed_lm_head(rows: torch.Tensor) -> Linear:
     return head
 
 
+def _shape(cfg: ModelConfig) -> dict[str, Any]:
+    """What a draft LM must share with the one it replaces (its KV cache's layout too)."""
+    return {"num_layers": cfg.num_layers, "vocab_size": cfg.vocab_size, **cfg.hf_shape()}
+
+
 class DraftModelDrafter(LocalDrafter):
     target_features: tuple[tuple[int, ...], bool] = ((), False)
 
@@ -110,20 +117,14 @@ class DraftModelDrafter(LocalDrafter):
     ) -> None:
         weight = target.embed_tokens.weight
         device, dtype = weight.device, weight.dtype
-        path = Path(cfg.speculative_draft_model_path)
-        quantization = cfg.speculative_draft_model_quantization
-        served_quantization(path, quantization, device, dtype, DRAFT_OPTION)  # errors name it
-        model = load_model(path, device, dtype, quantization=quantization)
-        if model.config.vocab_size > target.config.vocab_size:
-            raise ValueError(
-                f"the draft model's vocabulary ({model.config.vocab_size}) is larger than the "
-                f"target's ({target.config.vocab_size}); STANDALONE needs the target's tokenizer"
-            )
+        self.target = target
+        self.quantization = cfg.speculative_draft_model_quantization
+        self.token_map_path = cfg.speculative_token_map
+        model = self._loaded(Path(cfg.speculative_draft_model_path))
         # FR-Spec: score only a frequent subset of the vocabulary in the draft LM head.
         self.token_map: torch.Tensor | None = None
-        if cfg.speculative_token_map:
-            self.token_map = load_token_map(cfg.speculative_token_map, model.config.vocab_size)
-            model.lm_head = packed_lm_head(model.lm_head.weight[self.token_map])
+        if self.token_map_path:
+            self.token_map = load_token_map(self.token_map_path, model.config.vocab_size)
             self.token_map = self.token_map.to(device)
         kv_cache = KVCache.for_memory(model.config, kv_cache_gb, block_size, device, dtype)
         self.runner = ModelRunner(model, kv_cache)
@@ -131,6 +132,46 @@ class DraftModelDrafter(LocalDrafter):
         self.num_steps = cfg.speculative_num_steps
         self.topk = cfg.speculative_eagle_topk
         self.seqs: dict[str, Sequence] = {}
+
+    def _loaded(self, path: Path) -> LlamaForCausalLM:
+        """The draft LM at `path`, its LM head restricted to the token map."""
+        weight = self.target.embed_tokens.weight
+        device, dtype = weight.device, weight.dtype
+        served_quantization(path, self.quantization, device, dtype, DRAFT_OPTION)  # errors name it
+        model = load_model(path, device, dtype, quantization=self.quantization)
+        vocab = model.config.vocab_size
+        if vocab > self.target.config.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({vocab}) is larger than the target's "
+                f"({self.target.config.vocab_size}); STANDALONE needs the target's tokenizer"
+            )
+        if self.token_map_path:
+            rows = load_token_map(self.token_map_path, vocab)
+            model.lm_head = packed_lm_head(model.lm_head.weight[rows.to(device)])
+        return model
+
+    def prepared(self, path: Path) -> ModelRunner:
+        """The draft LM at `path`, loaded and checked to take this one's place (any thread),
+        over this drafter's KV cache; ValueError if it does not fit the target or the cache."""
+        model = self._loaded(path)
+        ours, theirs = (_shape(m.config) for m in (self.runner.model, model))
+        if differ := [k for k in ours if theirs[k] != ours[k]]:
+            raise ValueError(
+                "its shape differs: "
+                + ", ".join(f"{k} {theirs[k]} (this drafter's {ours[k]})" for k in differ)
+            )
+        return ModelRunner(model, self.runner.kv_cache)
+
+    def use(self, runner: ModelRunner) -> None:
+        """Draft with `runner`'s model (from `prepared`) from the next call on, on the thread
+        that drafts. No K/V of the old model is read again: open requests give back their
+        blocks, to recompute their tokens at their next draft, and the prefix cache forgets
+        every block."""
+        self.runner = runner
+        for seq in self.seqs.values():
+            if seq.block_table:
+                self.blocks.free(seq)
+        self.blocks.flush()
 
     def open(self, request_id: str, prompt_ids: list[int]) -> None:
         self.seqs[request_id] = Sequence(request_id, list(prompt_ids), DRAFT_PARAMS)

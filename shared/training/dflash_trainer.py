@@ -7,11 +7,12 @@ token at position a+k (the target's choice after position a+k-1). Each sample's 
 share one pass: their queries attend to the sample's context keys before their anchor
 and to their own block only. Loss: soft cross-entropy against the target over the draft
 vocabulary (the token map drafting scores), on positions whose target choice is in it,
-weighted exp(-(k-1)/7) (SpecForge's gamma). Held-out acceptance: 1 + the mean number of
-leading block positions whose greedy draft is the target's choice. On-policy (see
-`eagle_trainer.py`): anchors are drawn as the roots are there, and block index k's loss
-counts only where the drafts at 1..k-1 of its block were right (the weights' sum, the
-denominator, stays that of all learned positions).
+weighted exp(-(k-1)/7) (SpecForge's gamma); without the target's final states (examples
+a drafter served) against the token it chose (`target_cross_entropy`). Held-out
+acceptance: 1 + the mean number of leading block positions whose greedy draft is the
+target's choice. On-policy (see `eagle_trainer.py`): anchors are drawn as the roots are
+there, and block index k's loss counts only where the drafts at 1..k-1 of its block were
+right (the weights' sum, the denominator, stays that of all learned positions).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from specmesh.shared.training.eagle_trainer import (
     Roots,
     StepResult,
     reached,
-    soft_cross_entropy,
+    target_cross_entropy,
 )
 
 DECAY_GAMMA = 7.0
@@ -127,7 +128,9 @@ def block_loss(
     head = target.lm_head.weight[vocab_ids]
     logits = hidden[rows] @ head.T
     weight = torch.exp(-rows[2].float() / DECAY_GAMMA)  # block index k - 1
-    per_row = soft_cross_entropy(logits, _at(batch.final, before)[rows], head)
+    final = None if batch.final is None else _at(batch.final, before)[rows]
+    labels = torch.searchsorted(vocab_ids, choice[rows])
+    per_row = target_cross_entropy(logits, final, head, labels)
     correct = torch.zeros_like(learned)
     correct[rows] = vocab_ids[logits.argmax(-1)] == choice[rows]
     counted = weight * reached(correct)[rows] if anchors.on_policy else weight

@@ -245,10 +245,8 @@ def unrolled_loss(
             continue
         rows = learned.nonzero()[:, 0]
         logits = head.logits(hidden[rows], target).float()
-        if batch.final is None:  # the target's choice: an unbiased sample of its distribution
-            per_row = F.cross_entropy(logits, row_of[choice[rows]], reduction="none")
-        else:
-            per_row = soft_cross_entropy(logits, at(batch.final, 1 + k)[rows], label_head)
+        final = None if batch.final is None else at(batch.final, 1 + k)[rows]
+        per_row = target_cross_entropy(logits, final, label_head, row_of[choice[rows]])
         if roots.on_policy:
             per_row = per_row * reached(correct[rows])[:, k]
         loss = loss + STEP_DECAY**k * per_row.mean()
@@ -256,6 +254,18 @@ def unrolled_loss(
         guess = guess if draft_ids is None else draft_ids[guess]
         correct[rows, k] = guess == choice[rows]
     return StepResult(loss, correct, at(batch.learned, 1))
+
+
+def target_cross_entropy(
+    logits: torch.Tensor, final: torch.Tensor | None, head: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """[N] cross-entropy of a drafter's `logits` [N, V] against the target: its distribution
+    (`soft_cross_entropy` of its final states `final`), or without them (None: examples a
+    drafter served carry none) the token it chose, at logits row `labels` [N]: an unbiased
+    sample of that distribution, of the same expected cross-entropy."""
+    if final is None:
+        return F.cross_entropy(logits.float(), labels, reduction="none")
+    return soft_cross_entropy(logits, final, head)
 
 
 def soft_cross_entropy(

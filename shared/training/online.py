@@ -1,21 +1,27 @@
-"""Learning a drafter head from the traffic a pool serves: the learner's training side.
+"""Learning a drafter from the traffic a pool serves: the learner's training side.
 
 An example is a finished request as its drafter saw it: the prompt, the target's
-output, and the target features that travelled to the drafter for each position, so the
-learner runs no target pass (which would cost as much as a second prefill of all
-traffic). The label after each position is the token the target chose there. A hash of
-the prompt puts a fixed share of prompts in the held-out set for good, so a restarted
-learner, and a benchmark choosing prompts to test on, agree on which never train. The
-buffers keep the newest examples; their tokens are saved as they change, and a restarted
-learner restores them with one target pass for their features.
+output, and the target features that travelled to the drafter for each position (none
+for STANDALONE, a small LM that reads tokens alone), so the learner runs no target pass
+(which would cost as much as a second prefill of all traffic). The label after each
+position is the token the target chose there. A hash of the prompt puts a fixed share of
+prompts in the held-out set for good, so a restarted learner, and a benchmark choosing
+prompts to test on, agree on which never train. The buffers keep the newest examples;
+their tokens are saved as they change, and a restarted learner restores them with one
+target pass for their features.
 
-Training is the offline trainer's (`eagle_trainer.unrolled_loss`) one batch at a time,
-so the learner can look up between steps; a candidate is judged by held-out acceptance
-(greedy chains of `ttt_steps`), against the version the pool drafts with.
+`OnlineTrainer` keeps the buffers and trains one batch at a time, so the learner can look
+up between steps. What differs per algorithm family is behind `load` and `save` (a
+version's checkpoint, in the layout the pool's drafters load), `loss` (the offline
+trainer's: `unrolled_loss`, `block_loss`, `distill_loss`) and `target_features` (what
+examples carry); `online_trainer` picks the family. A candidate is judged by held-out
+acceptance (greedy chains of up to `ttt_steps` drafts walked along each example as serving
+walks it, `Acceptance`), against the version the pool drafts with.
 """
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import json
 import random
@@ -28,16 +34,34 @@ from pathlib import Path
 import numpy as np
 import torch
 from specmesh.shared.model.llama import LlamaForCausalLM
-from specmesh.shared.speculative.eagle import EagleHead
+from specmesh.shared.model.loader import load_model, save_model
+from specmesh.shared.speculative.dflash import (
+    DFlashDraft,
+    load_dflash,
+    read_dflash_spec,
+    save_dflash,
+)
+from specmesh.shared.speculative.eagle import (
+    EagleHead,
+    load_head,
+    read_head_spec,
+    save_head,
+    save_mtp,
+)
+from specmesh.shared.speculative.standalone import load_token_map
 from specmesh.shared.training.data import Sample
+from specmesh.shared.training.dflash_trainer import block_loss
 from specmesh.shared.training.eagle_trainer import (
     Acceptance,
+    Batch,
     Roots,
     StepResult,
     collate,
     unrolled_loss,
 )
 from specmesh.shared.training.features import TargetView, extract
+from specmesh.shared.training.student_trainer import distill_loss
+from torch import nn
 
 
 def is_heldout(prompt_ids: Sequence[int], share: float) -> bool:
@@ -48,7 +72,7 @@ def is_heldout(prompt_ids: Sequence[int], share: float) -> bool:
 
 @dataclass
 class OnlineOptions:
-    ttt_steps: int = 4  # draft steps unrolled per root (the pool's chain length)
+    ttt_steps: int = 4  # drafts per chain (the pool's): EAGLE unrolls them, held-out counts them
     lr: float = 2e-4
     warmup_steps: int = 20  # then the learning rate stays at `lr`
     batch_tokens: int = 2048
@@ -66,13 +90,19 @@ class Example:
     view: TargetView
 
 
-class OnlineTrainer:
-    """A head trained on served examples. `add` may be called from any thread; the rest
-    from the learner's training thread."""
+class OnlineTrainer(abc.ABC):
+    """A draft model trained on served examples. `add` may be called from any thread; the
+    rest from the learner's training thread."""
 
-    def __init__(self, target: LlamaForCausalLM, head: EagleHead, options: OnlineOptions) -> None:
-        """`target`: its embeddings (and LM head, for EAGLE) serve the head."""
+    # The target features examples carry, as the pool's drafters read them
+    # (`Drafter.target_features`); none: examples are tokens alone.
+    target_features: tuple[tuple[int, ...], bool] = ((), False)
+
+    def __init__(self, target: LlamaForCausalLM, options: OnlineOptions, path: Path) -> None:
+        """`target`: its embeddings (and LM head) serve the draft; `path`: the checkpoint
+        training starts from."""
         self.target, self.options = target, options
+        self.device = target.embed_tokens.weight.device
         self.train_set: deque[Example] = deque(maxlen=options.buffer_size)
         self.heldout: deque[Example] = deque(maxlen=options.heldout_size)
         self.new_examples = 0  # added to the training set since the last `take_new`
@@ -80,22 +110,37 @@ class OnlineTrainer:
         self._lock = threading.Lock()
         self._random = random.Random(options.seed)
         self._generator = torch.Generator().manual_seed(options.seed)
-        self.reset(head)
+        self.reset(self.load(path))
 
-    def reset(self, head: EagleHead) -> None:
-        """Train `head` (float32, on the target's device) from now on, with a new optimizer."""
-        self.head = head.float().to(self.target.embed_tokens.weight.device).train()
-        self.head.requires_grad_(True)
+    @abc.abstractmethod
+    def load(self, path: Path) -> nn.Module:
+        """The version checkpoint at `path`, float32 on the target's device, in eval mode."""
+
+    @abc.abstractmethod
+    def save(self, draft: nn.Module, path: Path) -> None:
+        """`draft` as a checkpoint in the layout the pool's drafters load."""
+
+    @abc.abstractmethod
+    def loss(self, draft: nn.Module, batch: Batch, roots: Roots) -> StepResult:
+        """The offline trainer's loss of `draft` over `batch`; with `Roots()`, every entry's
+        greedy chain (sample-major), as `Acceptance` reads it."""
+
+    def reset(self, draft: nn.Module) -> None:
+        """Train `draft` (float32, on the target's device) from now on, with a new optimizer."""
+        self.draft = draft.float().to(self.device).train()
+        self.draft.requires_grad_(True)
         self.optimizer = torch.optim.AdamW(
-            self.head.parameters(), lr=self.options.lr, betas=(0.9, 0.95), weight_decay=0.0
+            self.draft.parameters(), lr=self.options.lr, betas=(0.9, 0.95), weight_decay=0.0
         )
 
     def add(
-        self, token_ids: list[int], prompt_len: int, features: torch.Tensor, position: int
+        self, token_ids: list[int], prompt_len: int, features: torch.Tensor | None, position: int
     ) -> bool:
         """Keep a served request as an example (its newest `max_len` tokens); True if it
         went to the held-out set. `features` [F, D]: the target's features of positions
-        `position`.. (each pairs with the token after it)."""
+        `position`.. (each pairs with the token after it); None where examples carry none."""
+        if features is None:  # every position, with zero-width rows
+            features, position = torch.zeros(len(token_ids) - 1, 0, dtype=torch.float16), 0
         end = min(position + len(features) + 1, len(token_ids))
         first = max(position, end - self.options.max_len)
         ids = token_ids[first:end]
@@ -106,7 +151,7 @@ class OnlineTrainer:
         view = TargetView(
             features=torch.cat([rows, rows.new_zeros(1, rows.shape[1])]),  # last: never read
             final=None,
-            argmax=torch.tensor([*ids[1:], 0]),  # the target's choices: the tokens it emitted
+            argmax=emitted(ids),
         )
         example = Example(Sample(ids, [(start, len(ids))]), view)
         heldout = is_heldout(token_ids[:prompt_len], self.options.heldout_share)
@@ -131,21 +176,16 @@ class OnlineTrainer:
         partial.write_text("".join(f"{line}\n" for line in lines))
         partial.replace(path)
 
-    def restore_examples(self, path: Path, features: tuple[tuple[int, ...], bool]) -> int:
+    def restore_examples(self, path: Path) -> int:
         """Put back the examples `save_examples` wrote, older than any added since, each
-        with the target's `features` (the head's `target_features`) from a target pass;
-        returns how many."""
+        with its `target_features` from a target pass; returns how many."""
         records = [json.loads(line) for line in path.read_text().splitlines()]
         if not records:
             return 0
         samples = [Sample(r["ids"], [(r["start"], len(r["ids"]))]) for r in records]
-        views = extract(self.target, samples, *features, store_dtype=torch.float16, progress=False)
         restored: dict[bool, list[Example]] = {False: [], True: []}
-        for record, sample, view in zip(records, samples, views, strict=True):
-            emitted = torch.tensor([*sample.ids[1:], 0])  # the labels, as `add` takes them
-            restored[record["heldout"]].append(
-                Example(sample, TargetView(view.features, None, emitted))
-            )
+        for record, sample, view in zip(records, samples, self._views(samples), strict=True):
+            restored[record["heldout"]].append(Example(sample, view))
         with self._lock:
             for buffer, older in (
                 (self.train_set, restored[False]),
@@ -157,18 +197,28 @@ class OnlineTrainer:
             self.new_examples += len(restored[False])
         return len(records)
 
+    def _views(self, samples: list[Sample]) -> list[TargetView]:
+        """Each sample as `add` keeps it: the features its drafter was sent (zero-width
+        where examples carry none), labelled with the tokens the target emitted."""
+        layers, normed = self.target_features
+        if layers:
+            views = extract(
+                self.target, samples, layers, normed, store_dtype=torch.float16, progress=False
+            )
+            features = [v.features for v in views]
+        else:
+            features = [torch.zeros(len(s.ids), 0, dtype=torch.float16) for s in samples]
+        return [TargetView(f, None, emitted(s.ids)) for f, s in zip(features, samples, strict=True)]
+
     def take_new(self) -> int:
         """How many training examples arrived since the last call (`new_examples`)."""
         with self._lock:
             new, self.new_examples = self.new_examples, 0
         return new
 
-    def _loss(self, head: EagleHead, examples: list[Example], roots: Roots) -> StepResult:
+    def _batch(self, examples: list[Example]) -> Batch:
         samples, views = [e.sample for e in examples], [e.view for e in examples]
-        device = self.target.lm_head.weight.device
-        batch = collate(samples, views, list(range(len(samples))), device)
-        draft_ids = head.draft_ids if head.eagle3 else None  # None: the target's vocabulary
-        return unrolled_loss(head, self.target, batch, self.options.ttt_steps, draft_ids, roots)
+        return collate(samples, views, list(range(len(samples))), self.device)
 
     def _pick(self) -> list[Example]:
         """Random training examples, about `batch_tokens` tokens."""
@@ -190,28 +240,131 @@ class OnlineTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.options.lr * warm
         roots = Roots(self.options.root_fraction, self._generator)
-        result = self._loss(self.head, self._pick(), roots)
+        result = self.loss(self.draft, self._batch(self._pick()), roots)
         self.optimizer.zero_grad(set_to_none=True)
         result.loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.head.parameters(), 0.5)
+        torch.nn.utils.clip_grad_norm_(self.draft.parameters(), 0.5)
         self.optimizer.step()
         self.steps += 1
         return result.loss.item()
 
     @torch.no_grad()
-    def heldout_acceptance(self, head: EagleHead) -> float:
-        """Acceptance length of greedy chains of `ttt_steps` on the held-out examples
-        (1.0: none held out yet)."""
+    def heldout_acceptance(self, draft: nn.Module) -> float:
+        """Acceptance length of greedy chains of up to `ttt_steps` drafts on the held-out
+        examples (1.0: none held out yet)."""
         with self._lock:
             examples = list(self.heldout)
         if not examples:
             return 1.0
-        training = head.training
-        head.eval()
+        training = draft.training
+        draft.eval()
         acceptance = Acceptance()
         for start in range(0, len(examples), 8):
             batch = examples[start : start + 8]
-            r = self._loss(head, batch, Roots())
-            acceptance.add(r.correct, r.valid, len(batch))
-        head.train(training)
+            r = self.loss(draft, self._batch(batch), Roots())
+            acceptance.add(r.correct[:, : self.options.ttt_steps], r.valid, len(batch))
+        draft.train(training)
         return acceptance.length
+
+
+def emitted(ids: list[int]) -> torch.Tensor:
+    """The labels of a served sample: after each position, the token the target emitted
+    (the last position has none: never learned)."""
+    return torch.tensor([*ids[1:], 0])
+
+
+class EagleTrainer(OnlineTrainer):
+    """EAGLE and EAGLE-3 heads, and NEXTN's MTP layer: `unrolled_loss` over `ttt_steps`."""
+
+    def __init__(
+        self,
+        target: LlamaForCausalLM,
+        options: OnlineOptions,
+        path: Path,
+        algorithm: str,
+        target_config: dict,
+    ) -> None:
+        """`target_config`: the target's config.json (NEXTN's checkpoints repeat it)."""
+        self.algorithm, self.target_config = algorithm, target_config
+        self.spec = read_head_spec(path, algorithm, target.config)
+        self.target_features = self.spec.target_features
+        super().__init__(target, options, path)
+
+    def load(self, path: Path) -> EagleHead:
+        head, _, _ = load_head(path, self.algorithm, self.target)
+        return head.float().to(self.device).eval()
+
+    def save(self, draft: EagleHead, path: Path) -> None:
+        if draft.mtp:
+            save_mtp(draft, path, self.target_config)
+        else:
+            save_head(draft, path, self.target.config, self.spec)
+
+    def loss(self, draft: EagleHead, batch: Batch, roots: Roots) -> StepResult:
+        draft_ids = draft.draft_ids if draft.eagle3 else None  # None: the target's vocabulary
+        return unrolled_loss(draft, self.target, batch, self.options.ttt_steps, draft_ids, roots)
+
+
+class DFlashTrainer(OnlineTrainer):
+    """DFLASH block drafts: `block_loss`, over the ids the pool's drafters score."""
+
+    def __init__(
+        self, target: LlamaForCausalLM, options: OnlineOptions, path: Path, token_map: str | None
+    ) -> None:
+        self.vocab_ids = draft_vocab(token_map, target.config.vocab_size, target)
+        self.target_features = (read_dflash_spec(path, target.config).target_layers, False)
+        super().__init__(target, options, path)
+
+    def load(self, path: Path) -> DFlashDraft:
+        return load_dflash(path, self.target.config).to(self.device).eval()
+
+    def save(self, draft: DFlashDraft, path: Path) -> None:
+        save_dflash(draft, path, self.target.config)
+
+    def loss(self, draft: DFlashDraft, batch: Batch, roots: Roots) -> StepResult:
+        return block_loss(draft, self.target, batch, self.vocab_ids, roots)
+
+
+class StandaloneTrainer(OnlineTrainer):
+    """STANDALONE draft LMs: `distill_loss` at every position (roots play no part), over
+    the ids the pool's drafters score; examples are tokens alone."""
+
+    def __init__(
+        self, target: LlamaForCausalLM, options: OnlineOptions, path: Path, token_map: str | None
+    ) -> None:
+        self.hf_config = json.loads((path / "config.json").read_text())  # versions repeat it
+        self.vocab_ids = draft_vocab(token_map, self.hf_config["vocab_size"], target)
+        super().__init__(target, options, path)
+
+    def load(self, path: Path) -> LlamaForCausalLM:
+        return load_model(path, self.device, torch.float32).eval()
+
+    def save(self, draft: LlamaForCausalLM, path: Path) -> None:
+        save_model(draft, path, self.hf_config)
+
+    def loss(self, draft: LlamaForCausalLM, batch: Batch, roots: Roots) -> StepResult:
+        return distill_loss(draft, self.target, batch, self.vocab_ids, self.options.ttt_steps)
+
+
+def draft_vocab(token_map: str | None, vocab_size: int, target: LlamaForCausalLM) -> torch.Tensor:
+    """The ids a drafter scores, ascending, on the target's device: its token map's, else
+    all `vocab_size`."""
+    ids = load_token_map(token_map, vocab_size) if token_map else torch.arange(vocab_size)
+    return ids.to(target.embed_tokens.weight.device)
+
+
+def online_trainer(
+    algorithm: str,
+    target: LlamaForCausalLM,
+    options: OnlineOptions,
+    path: Path,
+    target_config: dict,
+    token_map: str | None,
+) -> OnlineTrainer:
+    """The trainer of `algorithm`'s drafters (one of `ONLINE_ALGORITHMS`), starting from the
+    checkpoint at `path`; `token_map`: the pool's (`--speculative-token-map`)."""
+    if algorithm == "DFLASH":
+        return DFlashTrainer(target, options, path, token_map)
+    if algorithm == "STANDALONE":
+        return StandaloneTrainer(target, options, path, token_map)
+    return EagleTrainer(target, options, path, algorithm, target_config)

@@ -11,9 +11,11 @@ target exactly. The embedding (tied to the LM head) is the target's, at the coor
 
 Loss: at every learned position, soft cross-entropy against the target's distribution
 over the draft vocabulary (the token map drafting scores), on positions whose target
-choice is in it. Teacher forcing is drafting here: on the target's greedy answers the
-student's draft k steps after position p is its prediction at p + k, so held-out
-acceptance is 1 + the mean run of consecutive correct predictions from each position.
+choice is in it; without the target's final states (examples a drafter served) against
+the token it chose (`target_cross_entropy`). Teacher forcing is drafting here: on the
+target's greedy answers the student's draft k steps after position p is its prediction at
+p + k, so held-out acceptance is 1 + the mean run of consecutive correct predictions from
+each position.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 from specmesh.shared.model.llama import LlamaForCausalLM
-from specmesh.shared.training.eagle_trainer import Batch, StepResult, soft_cross_entropy
+from specmesh.shared.training.eagle_trainer import Batch, StepResult, target_cross_entropy
 
 
 def spaced_layers(total: int, keep: int) -> list[int]:
@@ -107,7 +109,9 @@ def distill_loss(
     learned = batch.learned & in_vocab[batch.argmax]  # [B, L]
     rows = learned.nonzero(as_tuple=True)
     logits = hidden[rows] @ student.lm_head.weight[vocab_ids].T
-    per_row = soft_cross_entropy(logits, batch.final[rows], target.lm_head.weight[vocab_ids])
+    final = None if batch.final is None else batch.final[rows]
+    labels = torch.searchsorted(vocab_ids, batch.argmax[rows])
+    per_row = target_cross_entropy(logits, final, target.lm_head.weight[vocab_ids], labels)
     hit = torch.zeros_like(learned)
     hit[rows] = vocab_ids[logits.argmax(-1)] == batch.argmax[rows]
     correct = F.pad(hit, (0, steps - 1)).unfold(1, steps, 1)  # [B, L, steps]: hit[p + k]
