@@ -4,8 +4,9 @@ serves.
 The trainers (one per algorithm family), the drafters' swap and the version store alone,
 then one deployment (EAGLE-3 over the services, learning online with thresholds small
 enough for a test) through which versions are published, swapped under concurrency,
-rolled back, refused and resumed, while greedy output stays the target's own; NEXTN,
-DFLASH and STANDALONE pools go through the same with their own checkpoints.
+rolled back, refused and resumed, while greedy output stays the target's own; NEXTN
+and STANDALONE pools go through the same with their own checkpoints (DFLASH's differs from
+theirs only in its trainer, swap and refusal, tested alone).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import pytest
 import torch
 from deployment import chat_text, heartbeats, listing, specmesh_up
 from helpers import SMOLLM_HEAD, tiny_llama, write_eagle_head
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from specmesh.services.learner.versions import HeadVersions
 from specmesh.shared.engine.engine import EngineConfig, LLMEngine
@@ -411,16 +413,30 @@ def test_a_nextn_pool_learns_in_the_mtp_layout(
         assert config["num_nextn_predict_layers"] == 1
 
 
-@pytest.mark.parametrize("algorithm", ["DFLASH", "STANDALONE"])
-def test_block_drafts_and_draft_lms_learn_as_heads_do(
-    smollm_dir: Path, reference: dict[str, str], tmp_path: Path, algorithm: str
+def test_a_draft_lm_pool_learns_as_heads_do(
+    smollm_dir: Path, reference: dict[str, str], tmp_path: Path
 ) -> None:
-    """DFLASH's block draft and STANDALONE's draft LM: trained versions are drafted with
-    under concurrency, a worse one is rolled back, corrupt and mismatched ones are refused,
-    and output stays the target's throughout."""
-    with learning_pool(smollm_dir, tmp_path, algorithm) as pool:
+    """STANDALONE's draft LM (its examples carry no features): trained versions are drafted
+    with under concurrency, a worse one is rolled back, corrupt and mismatched ones are
+    refused, and output stays the target's throughout. DFLASH shares all of it but its
+    trainer and swap, tested alone above and below."""
+    with learning_pool(smollm_dir, tmp_path, "STANDALONE") as pool:
         trained_versions_are_drafted_with(pool, reference)
-        bad = noisy_drafter(algorithm, tmp_path / "bad", 50)
+        bad = noisy_drafter("STANDALONE", tmp_path / "bad", 50)
         a_worse_version_is_rolled_back(pool, reference, bad)
         for kind in ("mismatched", "corrupt"):
-            a_version_is_refused(pool, unfit_drafter(algorithm, kind, tmp_path / kind), kind)
+            a_version_is_refused(pool, unfit_drafter("STANDALONE", kind, tmp_path / kind), kind)
+
+
+@pytest.mark.parametrize("kind", ["mismatched", "corrupt"])
+def test_a_block_drafter_refuses_a_version_that_does_not_fit(
+    smollm_dir: Path, tmp_path: Path, kind: str
+) -> None:
+    """DFLASH's half of a refusal (the pool's is the same as every algorithm's): an EAGLE-3
+    head or a cut checkpoint cannot take the draft's place, and the draft stays."""
+    target = load_model(str(smollm_dir), torch.device("cpu"), torch.float32)
+    drafter = make_drafter(SpeculativeConfig(speculative_algorithm="DFLASH").resolved(), target)
+    draft = drafter.draft
+    with pytest.raises((ValueError, KeyError, SafetensorError)):
+        drafter.prepared(unfit_drafter("DFLASH", kind, tmp_path / kind))
+    assert drafter.draft is draft
