@@ -1,14 +1,15 @@
 // Flash attention on CPU (Dao et al. 2022): a job takes one KV head and a block of query
 // positions, with every query head of that KV group as rows of one tile (grouped-query
 // attention reads each K/V tile once per group). It walks the context a tile of keys at
-// a time, keeping per row the running max m, the running sum l of exp(s - m) and the
-// unnormalised output o:
-//   s = q k^T / sqrt(dim)         [rows, keys]
-//   m' = max(m, max_j s_j);  p = exp(s - m');  l = l e^(m - m') + sum_j p_j
-//   o = o e^(m - m') + p v        [rows, dim]
-// and writes o / l. No [rows, context] scores exist at once, and tiles past a row's
-// position (causality) are never computed. Both products run through matmul.cpp's tiles,
-// with K and V packed into its 16-column block layout as they are read from the cache.
+// a time, keeping per row a running max m, the running sum l of 2^(s - m) and the
+// unnormalised output o, scores in base 2 (e^x = 2^(x log2 e)):
+//   s = q k^T log2(e) / sqrt(dim)         [rows, keys]
+//   m' = max_j s_j if it passes m by more than RESCALE_ABOVE, else m
+//   p = 2^(s - m');  l = l 2^(m - m') + sum_j p_j;  o = o 2^(m - m') + p v   [rows, dim]
+// and writes o / l (m cancels out; p stays below 2^RESCALE_ABOVE). No [rows, context]
+// scores exist at once, and tiles past a row's position (causality) are never computed.
+// Both products run through matmul.cpp's tiles, with K and V packed into its 16-column
+// block layout as they are read from the cache.
 #include "attention.h"
 
 #include <algorithm>
@@ -111,31 +112,62 @@ struct PackedKV {
   static int64_t tiles(int64_t keys) { return (keys + KEYS - 1) / KEYS; }
 };
 
-// Scores of one row (`keys` of them, a multiple of 8) -> probabilities for its first
-// `seen` keys (0 past them), folding the tile into the row's running max and sum; returns
-// the factor its output must be rescaled by.
+// 2^x for x <= 0, clamped at -126 (a probability below 2^-126 adds nothing to a sum that
+// holds 1): 2^x = 2^n 2^r with n = round(x) and |r| <= 1/2, 2^r by a degree-5 polynomial
+// fitted to it (relative error < 1e-7), 2^n built in the exponent bits.
+inline __m256 exp2_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(1.326697039e-03f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.675459746e-03f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.550742616e-02f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.402212175e-01f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(6.931469492e-01f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.000000071e+00f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// A row's running max m moves only when a score passes it by more than this (base 2):
+// probabilities up to 2^8 are as exact as those up to 1, and most tiles then rescale
+// nothing.
+constexpr float RESCALE_ABOVE = 8.f;
+
+// Scores of one row (`keys` of them, a multiple of 8; base-2 units: q was scaled by
+// log2(e)) -> 2^(s - m) for its first `seen` keys (0 past them), adding their sum to the
+// row's l; returns the factor its output must be rescaled by (1 if m stayed).
 float softmax_row(float* s, int64_t seen, int64_t keys, float& m, float& l) {
   if (seen <= 0) {
     std::fill(s, s + keys, 0.f);
     return 1.f;
   }
   std::fill(s + seen, s + keys, -INFINITY);
-  __m256 top = _mm256_set1_ps(m);
-  for (int64_t c = 0; c < keys; c += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + c));
-  const float row_max = hmax(top);
-  const __m256 shift = _mm256_set1_ps(row_max);
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t c = 0; c < keys; c += 8) {
-    const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + c), shift));
-    _mm256_storeu_ps(s + c, p);
-    sum = _mm256_add_ps(sum, p);
+  __m256 top0 = _mm256_set1_ps(-INFINITY), top1 = top0;
+  for (int64_t c = 0; c < keys; c += 16) {  // keys is a multiple of 16 (COLS)
+    top0 = _mm256_max_ps(top0, _mm256_loadu_ps(s + c));
+    top1 = _mm256_max_ps(top1, _mm256_loadu_ps(s + c + 8));
   }
-  float total = hsum(sum);
-  for (int64_t c = seen; c < keys; ++c) total -= s[c];  // keys it may not see
-  std::fill(s + seen, s + keys, 0.f);
-  const float alpha = std::exp(m - row_max);
-  l = l * alpha + total;
-  m = row_max;
+  const float row_max = hmax(_mm256_max_ps(top0, top1));
+  float alpha = 1.f;
+  if (row_max > m + RESCALE_ABOVE) {
+    alpha = std::exp2(m - row_max);  // 0 on the first tile (m = -inf)
+    l *= alpha;
+    m = row_max;
+  }
+  const __m256 shift = _mm256_set1_ps(m);
+  __m256 sum0 = _mm256_setzero_ps(), sum1 = sum0;
+  for (int64_t c = 0; c < keys; c += 16) {
+    const __m256 p0 = exp2_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + c), shift));
+    const __m256 p1 = exp2_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + c + 8), shift));
+    _mm256_storeu_ps(s + c, p0);
+    _mm256_storeu_ps(s + c + 8, p1);
+    sum0 = _mm256_add_ps(sum0, p0);
+    sum1 = _mm256_add_ps(sum1, p1);
+  }
+  std::fill(s + seen, s + keys, 0.f);  // keys it may not see: not 2^-126
+  l += hsum(_mm256_add_ps(sum0, sum1));
   return alpha;
 }
 
@@ -153,7 +185,7 @@ void causal_attention(const float* q, int64_t ld, const float* k_cache, const fl
                       int64_t kv_heads, int64_t dim, float* out) {
   const int64_t group = heads / kv_heads, keys = num_cached + num_new;
   const int64_t blocks = (num_new + QUERY_POSITIONS - 1) / QUERY_POSITIONS;
-  const float scale = 1.f / std::sqrt(static_cast<float>(dim));
+  const float scale = 1.44269504f / std::sqrt(static_cast<float>(dim));  // log2(e)
   const PackedKV kv_tiles(k_cache, v_cache, ctx, keys, kv_heads, dim);
   // The last query blocks see the most keys: they come first, so that the pool's
   // shrinking claims end the region evenly.
