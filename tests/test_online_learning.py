@@ -4,9 +4,10 @@ serves.
 The trainers (one per algorithm family), the drafters' swap and the version store alone,
 then one deployment (EAGLE-3 over the services, learning online with thresholds small
 enough for a test) through which versions are published, swapped under concurrency,
-rolled back, refused and resumed, while greedy output stays the target's own; NEXTN
-and STANDALONE pools go through the same with their own checkpoints (DFLASH's differs from
-theirs only in its trainer, swap and refusal, tested alone).
+rolled back, refused and resumed, while greedy output stays the target's own; a
+STANDALONE pool (examples without features) goes through the same with its own
+checkpoints. NEXTN's and DFLASH's pools differ from these only in their trainers, swaps
+and refusals, tested alone.
 """
 
 from __future__ import annotations
@@ -108,11 +109,12 @@ LEARNING = {
 
 @pytest.mark.parametrize("algorithm", list(LEARNING))
 def test_training_on_served_examples_raises_heldout_acceptance(
-    smollm_dir: Path, algorithm: str
+    smollm_dir: Path, algorithm: str, tmp_path: Path
 ) -> None:
     """Numbered lists of a few words: the shipped drafter drafts them poorly until trained
     on what it would have been sent (the target's features where it reads them, the
-    tokens)."""
+    tokens). The trained draft is saved as a version is, and a pool's drafter takes it
+    (NEXTN's in DeepSeek's MTP layout)."""
     steps, options = LEARNING[algorithm]
     trainer = shipped_trainer(smollm_dir, algorithm, **options)
     tok, rng = Tokenizer(smollm_dir), random.Random(0)
@@ -130,6 +132,13 @@ def test_training_on_served_examples_raises_heldout_acceptance(
     for _ in range(steps):
         trainer.train_step()
     assert trainer.heldout_acceptance(trainer.draft) > before + 0.3
+    trainer.save(copy.deepcopy(trainer.draft).eval(), tmp_path)
+    drafter = make_drafter(
+        SpeculativeConfig(speculative_algorithm=algorithm).resolved(), trainer.target
+    )
+    drafter.use(drafter.prepared(tmp_path))
+    if algorithm == "NEXTN":
+        assert json.loads((tmp_path / "config.json").read_text())["num_nextn_predict_layers"] == 1
 
 
 @pytest.mark.parametrize("algorithm", ["EAGLE3", "STANDALONE"])  # STANDALONE: no features
@@ -401,16 +410,6 @@ def test_a_restarted_pool_resumes_the_latest_version(pool: Pool) -> None:
     assert heartbeats(pool.nats_url, 1.5)["learner-0"].head_version == current
     restored = re.compile(r"learner-0 INFO \S+: restored ([1-9]\d*) served examples")
     pool.wait_for("its examples back", lambda: restored.search(pool.log.read_text()) is not None)
-
-
-def test_a_nextn_pool_learns_in_the_mtp_layout(
-    smollm_dir: Path, reference: dict[str, str], tmp_path: Path
-) -> None:
-    """NEXTN's MTP layer learns as EAGLE heads do; its versions are MTP checkpoints."""
-    with learning_pool(smollm_dir, tmp_path, "NEXTN") as pool:
-        trained_versions_are_drafted_with(pool, reference)
-        config = json.loads((pool.root / "versions" / "1" / "config.json").read_text())
-        assert config["num_nextn_predict_layers"] == 1
 
 
 def test_a_draft_lm_pool_learns_as_heads_do(
