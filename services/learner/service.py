@@ -99,7 +99,7 @@ class LearnerService(Service):
             self.target_config,
             spec.speculative_token_map,
         )
-        self.current_draft = self.trainer.load(self.versions.path(self.trained_from))
+        self.current_draft = copy.deepcopy(self.trainer.draft).eval()  # the pool's, judged against
         self.transport = tcfg.open(cfg.nats_url)
         self.live: dict[int, list[int]] = {}  # version -> [verification steps, tokens]
         self.round_left = 0  # optimizer steps left in the round

@@ -375,7 +375,6 @@ class DFlashDrafter(LocalDrafter):
         self.block_size = cfg.speculative_num_draft_tokens  # at most spec's (resolved() checks)
         self.window = cfg.speculative_dflash_draft_window_size
         self.target_features = (spec.target_layers, False)
-        self.mask_token_id = spec.mask_token_id
         # FR-Spec: score only the listed rows of the target's LM head.
         self.vocab_ids: torch.Tensor | None = None
         self.lm_rows: Linear | None = None
@@ -416,7 +415,7 @@ class DFlashDrafter(LocalDrafter):
         drafts. Every context the old draft's layers projected is dropped: an open request
         drafts again once its next features are projected by the new one (from there on,
         or whole where a later request stored its prefix), and no prefix is kept."""
-        self.draft, self.mask_token_id = draft, draft.spec.mask_token_id
+        self.draft = draft
         self.contexts = {request_id: _Context() for request_id in self.contexts}
         if self.prefixes:
             self.prefixes = PrefixContexts(PREFIX_CONTEXT_BLOCKS)
@@ -470,7 +469,7 @@ class DFlashDrafter(LocalDrafter):
             return []
         weight = self.target.embed_tokens.weight
         g, n = len(requests), self.block_size
-        block = torch.full((g, n), self.mask_token_id, device=weight.device)
+        block = torch.full((g, n), self.draft.spec.mask_token_id, device=weight.device)
         block[:, 0] = torch.tensor([self.tokens[r.request_id][-1] for r in requests])
         first = torch.tensor([len(self.tokens[r.request_id]) - 1 for r in requests])
         positions = (first[:, None] + torch.arange(n)).to(weight.device).flatten()

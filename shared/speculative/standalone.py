@@ -120,12 +120,9 @@ class DraftModelDrafter(LocalDrafter):
         self.target = target
         self.quantization = cfg.speculative_draft_model_quantization
         self.token_map_path = cfg.speculative_token_map
-        model = self._loaded(Path(cfg.speculative_draft_model_path))
         # FR-Spec: score only a frequent subset of the vocabulary in the draft LM head.
-        self.token_map: torch.Tensor | None = None
-        if self.token_map_path:
-            self.token_map = load_token_map(self.token_map_path, model.config.vocab_size)
-            self.token_map = self.token_map.to(device)
+        self.token_map: torch.Tensor | None = None  # read with the first model
+        model = self._loaded(Path(cfg.speculative_draft_model_path))
         kv_cache = KVCache.for_memory(model.config, kv_cache_gb, block_size, device, dtype)
         self.runner = ModelRunner(model, kv_cache)
         self.blocks = BlockManager(kv_cache.num_blocks, block_size)
@@ -146,8 +143,9 @@ class DraftModelDrafter(LocalDrafter):
                 f"({self.target.config.vocab_size}); STANDALONE needs the target's tokenizer"
             )
         if self.token_map_path:
-            rows = load_token_map(self.token_map_path, vocab)
-            model.lm_head = packed_lm_head(model.lm_head.weight[rows.to(device)])
+            if self.token_map is None:  # a version keeps the vocabulary (`prepared` checks)
+                self.token_map = load_token_map(self.token_map_path, vocab).to(device)
+            model.lm_head = packed_lm_head(model.lm_head.weight[self.token_map])
         return model
 
     def prepared(self, path: Path) -> ModelRunner:
