@@ -114,7 +114,7 @@ def prefill(results: dict, plt) -> object:
     runs = three["runs"]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     setups = {"specmesh": OURS, "transformers": PEER, "llama.cpp": THIRD}
-    markers = "sDo"  # one per run, oldest first
+    markers = "sDo^v"  # one per run, oldest first
     offset = {commit: (k - (len(runs) - 1) / 2) * 0.25 for k, commit in enumerate(runs)}
     for ax, length in zip(axes[:2], ("2048", "8190"), strict=True):
         for (commit, run), marker in zip(runs.items(), markers, strict=False):
