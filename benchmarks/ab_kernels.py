@@ -1,0 +1,156 @@
+"""This checkout's CPU kernels against a git revision's, taking turns in one process.
+
+    python benchmarks/ab_kernels.py --base REV [--quantization gguf] [--batch 1]
+        [--new-tokens 1] [--context 300] [--rounds 30]
+    python benchmarks/ab_kernels.py --base REV --prefill 4096 [--rounds 4]
+
+Both builds of `kernels/cpu` serve the same engine (its weights and KV cache), one after
+the other: decode steps in blocks of 25 (the first 3 of each dropped), or one long
+prompt's prefill per turn; the order flips every round. Prints each build's median and
+the speed-up of this checkout over the base, per round and their median. Wall time on
+this machine moves by 2x between days and by a third within minutes: a kernel change is
+judged by this ratio, not by times taken apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import specmesh.kernels.cpu as cpu_kernels  # noqa: E402
+import specmesh.shared.model.layers as layers  # noqa: E402
+from bench_prefill import prompt_ids  # noqa: E402
+from bench_step import StepProbe  # noqa: E402
+from specmesh.shared.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from specmesh.shared.model.fetch import fetch_default_model  # noqa: E402
+from specmesh.shared.model.fused import FusedDecoder  # noqa: E402
+from specmesh.shared.sampling.params import SamplingParams  # noqa: E402
+from specmesh.shared.tokenizer import Tokenizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS_PER_TURN, WARM_STEPS = 25, 3
+
+
+def sources_at(revision: str, into: Path) -> Path:
+    """kernels/cpu's files as they were at `revision`, copied into `into`."""
+    listing = subprocess.run(
+        ["git", "ls-tree", "--name-only", revision, "kernels/cpu/"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    for path in listing:
+        blob = subprocess.run(
+            ["git", "show", f"{revision}:{path}"], cwd=REPO, capture_output=True, check=True
+        ).stdout
+        (into / Path(path).name).write_bytes(blob)
+    return into
+
+
+def build(sources: Path) -> ModuleType:
+    """The kernels compiled from `sources` (the loader reads its sources from HERE)."""
+    here = cpu_kernels.HERE
+    cpu_kernels.HERE = sources
+    cpu_kernels.load.cache_clear()
+    try:
+        module = cpu_kernels.load()
+    finally:
+        cpu_kernels.HERE = here
+        cpu_kernels.load.cache_clear()
+    if module is None:
+        raise SystemExit(f"the kernels in {sources} do not build here")
+    return module
+
+
+class Builds:
+    """Switches one engine between kernel builds: its fused decoder and its Linears'."""
+
+    def __init__(self, engine: LLMEngine, modules: list[ModuleType]) -> None:
+        self.runner, self.modules = engine.runner, modules
+        model, kv = engine.runner.model, engine.kv_cache.layers
+        self.decoders = [FusedDecoder(m, model, kv) for m in modules]
+
+    def use(self, build: int) -> None:
+        self.runner.fused = self.decoders[build]
+        layers.load_cpu_kernels = lambda: self.modules[build]
+
+
+def turns(builds: Builds, rounds: int, turn: Callable[[], list[float]]) -> None:
+    """`rounds` rounds of one turn per build (order flipped each round); prints medians."""
+    times: list[list[float]] = [[], []]
+    ratios = []
+    for r in range(rounds):
+        medians = [0.0, 0.0]
+        for build in (0, 1) if r % 2 == 0 else (1, 0):
+            builds.use(build)
+            samples = turn()
+            times[build] += samples
+            medians[build] = statistics.median(samples)
+        ratios.append(medians[0] / medians[1])
+    base, new = (statistics.median(t) for t in times)
+    print(f"base {base * 1e3:.2f} ms, this checkout {new * 1e3:.2f} ms")
+    print(f"speed-up over the base: {statistics.median(ratios):.3f}x (median of {rounds} rounds)")
+    print("per round: " + " ".join(f"{x:.3f}" for x in ratios))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--base", required=True, help="git revision whose kernels/cpu to compare")
+    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--new-tokens", type=int, default=1, help="rows per sequence a step")
+    parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--prefill", type=int, default=0, help="prompt tokens: time prefill")
+    parser.add_argument("--rounds", type=int, default=None, help="default 30 (prefill: 4)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        modules = [build(sources_at(args.base, Path(tmp))), build(cpu_kernels.HERE)]
+    model = fetch_default_model()
+    cache_gb = 0.1 + args.prefill * 6e-5 if args.prefill else None
+    config = EngineConfig(
+        model=str(model),
+        max_num_seqs=max(args.batch, 8),
+        quantization=args.quantization,
+        **({"kv_cache_gb": cache_gb} if cache_gb else {}),
+    )
+    engine = LLMEngine(config)
+    builds = Builds(engine, modules)
+    if args.prefill:
+        ids = prompt_ids(Tokenizer(str(model)), args.prefill)
+        params = SamplingParams(temperature=0, max_tokens=1)
+
+        def prefill() -> list[float]:
+            engine.scheduler.block_manager.flush()  # no prefix cache between turns
+            start = time.perf_counter()
+            engine.generate([ids], params)
+            return [time.perf_counter() - start]
+
+        turns(builds, args.rounds or 4, prefill)
+        return
+    probe = StepProbe(engine, args.context)
+
+    def steps() -> list[float]:
+        samples = []
+        for i in range(STEPS_PER_TURN):
+            start = time.perf_counter()
+            probe.forward(args.batch, args.new_tokens)
+            if i >= WARM_STEPS:
+                samples.append(time.perf_counter() - start)
+        return samples
+
+    turns(builds, args.rounds or 30, steps)
+
+
+if __name__ == "__main__":
+    main()
