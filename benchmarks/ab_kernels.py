@@ -9,7 +9,9 @@ the other: decode steps in blocks of 25 (the first 3 of each dropped), or one lo
 prompt's prefill per turn; the order flips every round. Prints each build's median and
 the speed-up of this checkout over the base, per round and their median. Wall time on
 this machine moves by 2x between days and by a third within minutes: a kernel change is
-judged by this ratio, not by times taken apart.
+judged by this ratio, not by times taken apart. Both builds multiply the weights as this
+checkout packed them, so a change to a packing layout (`block_weight`, `quant_pack`) is
+not comparable here.
 """
 
 from __future__ import annotations
