@@ -31,12 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import specmesh.kernels.cpu as cpu_kernels  # noqa: E402
 import specmesh.shared.model.layers as layers  # noqa: E402
-from bench_prefill import prompt_ids  # noqa: E402
+from bench_prefill import prefill_engine, prompt_ids, timed_prefill  # noqa: E402
 from bench_step import StepProbe  # noqa: E402
 from specmesh.shared.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from specmesh.shared.model.fetch import fetch_default_model  # noqa: E402
 from specmesh.shared.model.fused import FusedDecoder  # noqa: E402
-from specmesh.shared.sampling.params import SamplingParams  # noqa: E402
 from specmesh.shared.tokenizer import Tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,15 +60,7 @@ def sources_at(revision: str, into: Path) -> Path:
 
 
 def build(sources: Path) -> ModuleType:
-    """The kernels compiled from `sources` (the loader reads its sources from HERE)."""
-    here = cpu_kernels.HERE
-    cpu_kernels.HERE = sources
-    cpu_kernels.load.cache_clear()
-    try:
-        module = cpu_kernels.load()
-    finally:
-        cpu_kernels.HERE = here
-        cpu_kernels.load.cache_clear()
+    module = cpu_kernels.compile_sources(sources)
     if module is None:
         raise SystemExit(f"the kernels in {sources} do not build here")
     return module
@@ -109,7 +100,7 @@ def turns(builds: Builds, rounds: int, turn: Callable[[], list[float]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", required=True, help="git revision whose kernels/cpu to compare")
-    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--quantization", default=None, help="decode steps on these blocks")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=1, help="rows per sequence a step")
     parser.add_argument("--context", type=int, default=300)
@@ -119,27 +110,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         modules = [build(sources_at(args.base, Path(tmp))), build(cpu_kernels.HERE)]
     model = fetch_default_model()
-    cache_gb = 0.1 + args.prefill * 6e-5 if args.prefill else None
+    if args.prefill:
+        engine = prefill_engine(model, args.prefill)
+        ids = prompt_ids(Tokenizer(str(model)), args.prefill)
+        turns(Builds(engine, modules), args.rounds or 4, lambda: [timed_prefill(engine, ids)[0]])
+        return
     config = EngineConfig(
-        model=str(model),
-        max_num_seqs=max(args.batch, 8),
-        quantization=args.quantization,
-        **({"kv_cache_gb": cache_gb} if cache_gb else {}),
+        model=str(model), max_num_seqs=max(args.batch, 8), quantization=args.quantization
     )
     engine = LLMEngine(config)
-    builds = Builds(engine, modules)
-    if args.prefill:
-        ids = prompt_ids(Tokenizer(str(model)), args.prefill)
-        params = SamplingParams(temperature=0, max_tokens=1)
-
-        def prefill() -> list[float]:
-            engine.scheduler.block_manager.flush()  # no prefix cache between turns
-            start = time.perf_counter()
-            engine.generate([ids], params)
-            return [time.perf_counter() - start]
-
-        turns(builds, args.rounds or 4, prefill)
-        return
     probe = StepProbe(engine, args.context)
 
     def steps() -> list[float]:
@@ -151,7 +130,7 @@ def main() -> None:
                 samples.append(time.perf_counter() - start)
         return samples
 
-    turns(builds, args.rounds or 30, steps)
+    turns(Builds(engine, modules), args.rounds or 30, steps)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ first token (and the worst), and alone for comparison.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -61,17 +62,21 @@ def prompt_ids(tok: Tokenizer, length: int) -> list[int]:
     return ids[:length]
 
 
+def prefill_engine(model: Path, longest: int) -> LLMEngine:
+    """The engine with its defaults, its KV cache sized for a `longest`-token prompt."""
+    return LLMEngine(EngineConfig(model=str(model), kv_cache_gb=0.1 + longest * 6e-5))
+
+
+def timed_prefill(engine: LLMEngine, ids: list[int]) -> tuple[float, int]:
+    """Seconds to the first (greedy) token of `ids`, and that token; nothing cached before."""
+    engine.scheduler.block_manager.flush()  # no prefix cache between runs
+    start = time.perf_counter()
+    (out,) = engine.generate([ids], SamplingParams(temperature=0, max_tokens=1))
+    return time.perf_counter() - start, out[0]
+
+
 def specmesh(model: Path, longest: int) -> Prefill:
-    engine = LLMEngine(EngineConfig(model=str(model), kv_cache_gb=0.1 + longest * 6e-5))
-    params = SamplingParams(temperature=0, max_tokens=1)
-
-    def run(ids: list[int]) -> tuple[float, int]:
-        engine.scheduler.block_manager.flush()  # no prefix cache between runs
-        start = time.perf_counter()
-        (out,) = engine.generate([ids], params)
-        return time.perf_counter() - start, out[0]
-
-    return run
+    return functools.partial(timed_prefill, prefill_engine(model, longest))
 
 
 def transformers_forward(model: Path) -> Prefill:

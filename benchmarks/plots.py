@@ -114,28 +114,31 @@ def prefill(results: dict, plt) -> object:
     runs = three["runs"]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     setups = {"specmesh": OURS, "transformers": PEER, "llama.cpp": THIRD}
-    markers = "sDo^v"  # one per run, oldest first
+    markers = "sDo^vPX*"  # one per run, oldest first (repeating past the eighth)
+    marker = {commit: markers[k % len(markers)] for k, commit in enumerate(runs)}
     offset = {commit: (k - (len(runs) - 1) / 2) * 0.25 for k, commit in enumerate(runs)}
     for ax, length in zip(axes[:2], ("2048", "8190"), strict=True):
-        for (commit, run), marker in zip(runs.items(), markers, strict=False):
+        for commit, run in runs.items():
             for i, (setup, color) in enumerate(setups.items()):
                 values = run[setup][length]
                 x = i + offset[commit]
-                ax.scatter([x] * len(values), values, color=color, s=18, marker=marker)
-            ax.scatter([], [], color="grey", marker=marker, label=f"run at {commit}")
+                ax.scatter([x] * len(values), values, color=color, s=18, marker=marker[commit])
+            ax.scatter([], [], color="grey", marker=marker[commit], label=f"run at {commit}")
         ax.set_xticks(range(len(setups)), list(setups))
         ax.set_ylim(bottom=0)
         ax.set_ylabel("seconds to the first token")
         ax.set_title(f"{int(length):,}-token prompt, a point per run", fontsize=9)
         ax.legend(fontsize=7, loc="upper left")
     ax = axes[2]
-    for (commit, run), marker in zip(runs.items(), markers, strict=False):
+    for commit, run in runs.items():
         for j, length in enumerate(("2048", "8190")):
             pairs = zip(run["transformers"][length], run["specmesh"][length], strict=True)
             values = [t / s for t, s in pairs]
             x = j + offset[commit]
             label = f"run at {commit}" if j == 0 else None
-            ax.scatter([x] * len(values), values, color=OURS, s=18, marker=marker, label=label)
+            ax.scatter(
+                [x] * len(values), values, color=OURS, s=18, marker=marker[commit], label=label
+            )
             median = run["median_ratio_vs_transformers"][length]
             ax.hlines(median, x - 0.1, x + 0.1, color=OURS)
             ax.annotate(f"{median:.2f}x", (x + 0.11, median), fontsize=7, va="center")

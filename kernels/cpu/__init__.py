@@ -33,16 +33,16 @@ SOURCES = ("attention.cpp", "decoder.cpp", "matmul.cpp", "pool.cpp", "quant.cpp"
 HERE = Path(__file__).parent
 
 
-def _source_files() -> list[Path]:
-    return sorted([*HERE.glob("*.cpp"), *HERE.glob("*.h")])
+def _source_files(sources: Path = HERE) -> list[Path]:
+    return sorted([*sources.glob("*.cpp"), *sources.glob("*.h")])
 
 
-def build_name() -> str:
+def build_name(sources: Path = HERE) -> str:
     """The extension's name (its build directory), keyed by every source and header and by
     the torch it builds against (its version and where it lies)."""
     digest = hashlib.blake2b(digest_size=6)
     digest.update(f"{torch.__version__} {Path(torch.__file__).parent}".encode())
-    for path in _source_files():
+    for path in _source_files(sources):
         digest.update(path.name.encode() + path.read_bytes())
     return f"specmesh_cpu_{digest.hexdigest()}"
 
@@ -58,14 +58,14 @@ def build_root() -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
 
 
-def staged_sources(name: str) -> Path:
+def staged_sources(name: str, sources: Path = HERE) -> Path:
     """The sources copied under the build root, in a folder named like the build: the same
     paths for the same content wherever the package lies."""
     staged = build_root() / "specmesh_sources" / name
     if not staged.is_dir():
         staged.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=staged.parent))
-        for path in _source_files():
+        for path in _source_files(sources):
             shutil.copy2(path, tmp)
         try:
             os.rename(tmp, staged)
@@ -94,13 +94,19 @@ def exclusive_build(name: str) -> Iterator[Path]:
 @functools.cache
 def load() -> ModuleType | None:
     """The compiled module, or None where it cannot be built here."""
+    return compile_sources(HERE)
+
+
+def compile_sources(sources: Path) -> ModuleType | None:
+    """The kernels compiled from the sources in `sources` (this package's, or another
+    revision's for a side-by-side benchmark), or None where they cannot be built here."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
     from torch.utils.cpp_extension import load as build
 
     try:
-        name = build_name()
-        staged = staged_sources(name)
+        name = build_name(sources)
+        staged = staged_sources(name, sources)
         with exclusive_build(name) as build_dir:
             module = build(
                 name=name,

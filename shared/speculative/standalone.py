@@ -119,10 +119,13 @@ class DraftModelDrafter(LocalDrafter):
         device, dtype = weight.device, weight.dtype
         self.target = target
         self.quantization = cfg.speculative_draft_model_quantization
-        self.token_map_path = cfg.speculative_token_map
-        # FR-Spec: score only a frequent subset of the vocabulary in the draft LM head.
-        self.token_map: torch.Tensor | None = None  # read with the first model
         model = self._loaded(Path(cfg.speculative_draft_model_path))
+        # FR-Spec: score only a frequent subset of the vocabulary in the draft LM head.
+        self.token_map: torch.Tensor | None = None
+        if cfg.speculative_token_map:
+            vocab = model.config.vocab_size
+            self.token_map = load_token_map(cfg.speculative_token_map, vocab).to(device)
+        self._restrict(model)
         kv_cache = KVCache.for_memory(model.config, kv_cache_gb, block_size, device, dtype)
         self.runner = ModelRunner(model, kv_cache)
         self.blocks = BlockManager(kv_cache.num_blocks, block_size)
@@ -131,7 +134,7 @@ class DraftModelDrafter(LocalDrafter):
         self.seqs: dict[str, Sequence] = {}
 
     def _loaded(self, path: Path) -> LlamaForCausalLM:
-        """The draft LM at `path`, its LM head restricted to the token map."""
+        """The draft LM at `path`, checked against the target's vocabulary."""
         weight = self.target.embed_tokens.weight
         device, dtype = weight.device, weight.dtype
         served_quantization(path, self.quantization, device, dtype, DRAFT_OPTION)  # errors name it
@@ -142,11 +145,12 @@ class DraftModelDrafter(LocalDrafter):
                 f"the draft model's vocabulary ({vocab}) is larger than the target's "
                 f"({self.target.config.vocab_size}); STANDALONE needs the target's tokenizer"
             )
-        if self.token_map_path:
-            if self.token_map is None:  # a version keeps the vocabulary (`prepared` checks)
-                self.token_map = load_token_map(self.token_map_path, vocab).to(device)
-            model.lm_head = packed_lm_head(model.lm_head.weight[self.token_map])
         return model
+
+    def _restrict(self, model: LlamaForCausalLM) -> None:
+        """`model`'s LM head cut to the token map's rows (none: left whole)."""
+        if self.token_map is not None:
+            model.lm_head = packed_lm_head(model.lm_head.weight[self.token_map])
 
     def prepared(self, path: Path) -> ModelRunner:
         """The draft LM at `path`, loaded and checked to take this one's place (any thread),
@@ -158,6 +162,7 @@ class DraftModelDrafter(LocalDrafter):
                 "its shape differs: "
                 + ", ".join(f"{k} {theirs[k]} (this drafter's {ours[k]})" for k in differ)
             )
+        self._restrict(model)  # the vocabulary is the same: the same token map fits
         return ModelRunner(model, self.runner.kv_cache)
 
     def use(self, runner: ModelRunner) -> None:
