@@ -42,12 +42,14 @@ from specmesh.shared.speculative.factory import make_drafter
 from specmesh.shared.speculative.head_blob import WEIGHTS
 from specmesh.shared.tokenizer import Tokenizer
 from specmesh.shared.training.data import Sample
+from specmesh.shared.training.eagle_trainer import Acceptance
 from specmesh.shared.training.features import extract
 from specmesh.shared.training.online import (
     OnlineOptions,
     OnlineTrainer,
     is_heldout,
     online_trainer,
+    pooled,
 )
 from specmesh.shared.transport.shm import ShmTransport
 
@@ -128,10 +130,17 @@ def test_training_on_served_examples_raises_heldout_acceptance(
         served.append(Sample(prompt + answer, [(len(prompt), len(prompt) + len(answer))]))
     add_served(trainer, served)
     assert len(trainer.heldout) >= 4 and trainer.take_new() == len(trainer.train_set)
-    before = trainer.heldout_acceptance(copy.deepcopy(trainer.draft))
+    shipped, examples = copy.deepcopy(trainer.draft), trainer.heldout_examples()
+    scores = trainer.heldout_scores(shipped, examples)
+    before = pooled(scores)
+    assert before == trainer.heldout_acceptance(shipped)
     for _ in range(steps):
         trainer.train_step()
     assert trainer.heldout_acceptance(trainer.draft) > before + 0.3
+    # A draft's earlier scores are kept, not walked again; the examples new to it are.
+    first = examples[0].serial
+    marker = {first: Acceptance(tokens=1, steps=1)}
+    assert trainer.heldout_scores(shipped, examples, marker) == scores | marker
     trainer.save(copy.deepcopy(trainer.draft).eval(), tmp_path)
     drafter = make_drafter(
         SpeculativeConfig(speculative_algorithm=algorithm).resolved(), trainer.target

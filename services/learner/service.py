@@ -4,11 +4,12 @@ block draft or a STANDALONE LM: `online_trainer` picks how) on what the pool ser
 Drafters send each finished request (`ServedExample`, with the live acceptance they
 counted per head version). The main thread trains: a round of optimizer steps once enough
 new examples arrived, then the candidate's held-out acceptance against the pool's version
-decides whether it becomes a new version. The io thread watches the pool, so a bad
-version goes however long a round takes: a version any drafter refuses is taken back at
-once, and a new one, once it has served enough verification steps, if its live acceptance
-length is below its baseline's (the nearest earlier version that served enough) by more
-than the margin. Heads moved into incoming/ are pushed as new versions. The current
+decides whether it becomes a new version (the pool's version keeps its scores per held-out
+example, so it walks only the examples new since its last judging). The io thread watches
+the pool, so a bad version goes however long a round takes: a version any drafter refuses
+is taken back at once, and a new one, once it has served enough verification steps, if its
+live acceptance length is below its baseline's (the nearest earlier version that served
+enough) by more than the margin. Heads moved into incoming/ are pushed as new versions. The current
 version is announced every heartbeat interval, so a drafter that starts or missed one
 catches up.
 """
@@ -49,7 +50,8 @@ from specmesh.shared.telemetry import (
     ROLLBACKS,
     TRAIN_STEPS,
 )
-from specmesh.shared.training.online import OnlineOptions, online_trainer
+from specmesh.shared.training.eagle_trainer import Acceptance
+from specmesh.shared.training.online import OnlineOptions, online_trainer, pooled
 from specmesh.shared.transport import TransportConfig
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,7 @@ class LearnerService(Service):
             spec.speculative_token_map,
         )
         self.current_draft = copy.deepcopy(self.trainer.draft).eval()  # the pool's, judged against
+        self.current_scores: dict[int, Acceptance] = {}  # its held-out scores, by example
         self.transport = tcfg.open(cfg.nats_url)
         self.live: dict[int, list[int]] = {}  # version -> [verification steps, tokens]
         self.round_left = 0  # optimizer steps left in the round
@@ -271,6 +274,7 @@ class LearnerService(Service):
             settled = self.versions.records[current].status == "kept"
         if current != self.trained_from and settled:
             self.current_draft = self.trainer.load(self.versions.path(current))
+            self.current_scores = {}
             self.trainer.reset(copy.deepcopy(self.current_draft))
             self.trained_from, self.round_left = current, 0
             log.info("training on from head version %d", current)
@@ -279,8 +283,12 @@ class LearnerService(Service):
         """Publish the trained draft if it beats the pool's on held-out traffic."""
         if len(self.trainer.heldout) < MIN_HELDOUT:
             return
-        candidate = self.trainer.heldout_acceptance(self.trainer.draft)
-        current = self.trainer.heldout_acceptance(self.current_draft)
+        examples = self.trainer.heldout_examples()
+        scores = self.trainer.heldout_scores(self.trainer.draft, examples)
+        self.current_scores = self.trainer.heldout_scores(
+            self.current_draft, examples, self.current_scores
+        )
+        candidate, current = pooled(scores), pooled(self.current_scores)
         HELDOUT_ACCEPTANCE.labels(str(self.trained_from)).set(current)
         log.info(
             "held-out acceptance length: candidate %.3f, version %d %.3f",
@@ -301,5 +309,5 @@ class LearnerService(Service):
                 candidate,
             )
             self._publish(version, "trained")
-        self.current_draft, self.trained_from = draft, version
+        self.current_draft, self.current_scores, self.trained_from = draft, scores, version
         HELDOUT_ACCEPTANCE.labels(str(version)).set(candidate)

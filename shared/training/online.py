@@ -16,18 +16,21 @@ version's checkpoint, in the layout the pool's drafters load), `loss` (the offli
 trainer's: `unrolled_loss`, `block_loss`, `distill_loss`) and `target_features` (what
 examples carry); `online_trainer` picks the family. A candidate is judged by held-out
 acceptance (greedy chains of up to `ttt_steps` drafts walked along each example as serving
-walks it, `Acceptance`), against the version the pool drafts with.
+walks it, `Acceptance`), against the version the pool drafts with; a draft's scores are
+kept per example (`heldout_scores`), so the pool's version, judged again each round, walks
+only the examples that arrived since.
 """
 
 from __future__ import annotations
 
 import abc
 import hashlib
+import itertools
 import json
 import random
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,7 +79,7 @@ class OnlineOptions:
     lr: float = 2e-4
     warmup_steps: int = 20  # then the learning rate stays at `lr`
     batch_tokens: int = 2048
-    root_fraction: float = 0.25
+    root_fraction: float = 0.1  # fewer roots, cheaper steps: more steps learn more per second
     buffer_size: int = 1024  # training examples kept, newest
     heldout_size: int = 64  # held-out examples kept, newest
     heldout_share: float = 0.1
@@ -88,6 +91,16 @@ class OnlineOptions:
 class Example:
     sample: Sample
     view: TargetView
+    serial: int  # unique within its trainer: the key of its held-out scores
+
+
+def pooled(scores: Mapping[int, Acceptance]) -> float:
+    """The acceptance length of held-out examples scored apart (`heldout_scores`)."""
+    total = Acceptance()
+    for score in scores.values():
+        total.tokens += score.tokens
+        total.steps += score.steps
+    return total.length
 
 
 class OnlineTrainer(abc.ABC):
@@ -108,6 +121,7 @@ class OnlineTrainer(abc.ABC):
         self.new_examples = 0  # added to the training set since the last `take_new`
         self.steps = 0
         self._lock = threading.Lock()
+        self._serials = itertools.count()
         self._random = random.Random(options.seed)
         self._generator = torch.Generator().manual_seed(options.seed)
         self.reset(self.load(path))
@@ -153,7 +167,7 @@ class OnlineTrainer(abc.ABC):
             final=None,
             argmax=emitted(ids),
         )
-        example = Example(Sample(ids, [(start, len(ids))]), view)
+        example = Example(Sample(ids, [(start, len(ids))]), view, next(self._serials))
         heldout = is_heldout(token_ids[:prompt_len], self.options.heldout_share)
         with self._lock:
             if heldout:
@@ -185,7 +199,7 @@ class OnlineTrainer(abc.ABC):
         samples = [Sample(r["ids"], [(r["start"], len(r["ids"]))]) for r in records]
         restored: dict[bool, list[Example]] = {False: [], True: []}
         for record, sample, view in zip(records, samples, self._views(samples), strict=True):
-            restored[record["heldout"]].append(Example(sample, view))
+            restored[record["heldout"]].append(Example(sample, view, next(self._serials)))
         with self._lock:
             for buffer, older in (
                 (self.train_set, restored[False]),
@@ -248,23 +262,41 @@ class OnlineTrainer(abc.ABC):
         self.steps += 1
         return result.loss.item()
 
-    @torch.no_grad()
-    def heldout_acceptance(self, draft: nn.Module) -> float:
-        """Acceptance length of greedy chains of up to `ttt_steps` drafts on the held-out
-        examples (1.0: none held out yet)."""
+    def heldout_examples(self) -> list[Example]:
+        """The held-out examples now kept (a snapshot: drafts judged against each other
+        walk the same ones)."""
         with self._lock:
-            examples = list(self.heldout)
-        if not examples:
-            return 1.0
+            return list(self.heldout)
+
+    @torch.no_grad()
+    def heldout_scores(
+        self,
+        draft: nn.Module,
+        examples: list[Example],
+        known: Mapping[int, Acceptance] | None = None,
+    ) -> dict[int, Acceptance]:
+        """Each of `examples` walked with greedy chains of up to `ttt_steps` drafts of
+        `draft`, by serial; those in `known` (this draft's earlier scores) are not walked
+        again."""
+        known = known or {}
+        scores = {e.serial: known[e.serial] for e in examples if e.serial in known}
+        new = [e for e in examples if e.serial not in scores]
         training = draft.training
         draft.eval()
-        acceptance = Acceptance()
-        for start in range(0, len(examples), 8):
-            batch = examples[start : start + 8]
+        for start in range(0, len(new), 8):
+            batch = new[start : start + 8]
             r = self.loss(draft, self._batch(batch), Roots())
-            acceptance.add(r.correct[:, : self.options.ttt_steps], r.valid, len(batch))
+            correct = r.correct[:, : self.options.ttt_steps].unflatten(0, (len(batch), -1))
+            valid = r.valid.view(len(batch), -1)
+            for i, example in enumerate(batch):
+                scores[example.serial] = Acceptance()
+                scores[example.serial].add(correct[i], valid[i], 1)
         draft.train(training)
-        return acceptance.length
+        return scores
+
+    def heldout_acceptance(self, draft: nn.Module) -> float:
+        """Acceptance length of `draft` on the held-out examples (1.0: none held out yet)."""
+        return pooled(self.heldout_scores(draft, self.heldout_examples()))
 
 
 def emitted(ids: list[int]) -> torch.Tensor:
