@@ -1,7 +1,8 @@
 """Online learning: does the pool's EAGLE-3 head learn a prompt source it never saw?
 
     python benchmarks/bench_online.py [--requests 1000] [--test 50] [--new-tokens 80]
-        [--concurrency 8] [--speed-requests 200] [--learner-nice 19] [--out DIR]
+        [--concurrency 8] [--speed-requests 200] [--learner-nice 19] [--learner-idle]
+        [--out DIR]
 
 The source: "explain this Python function" over functions and methods of the standard
 library (the shipped head trained on chat). Test prompts: the first `--test` prompts
@@ -129,12 +130,15 @@ class Replay:
 
 
 @contextmanager
-def deployment(model: Path, online_dir: Path | None, log: Path, learner_nice: int) -> Iterator[str]:
-    """EAGLE-3 over the services, learning online into `online_dir` if given: its URL."""
+def deployment(
+    model: Path, online_dir: Path | None, log: Path, learner: list[str]
+) -> Iterator[str]:
+    """EAGLE-3 over the services, learning online into `online_dir` if given (the learner
+    placed by `learner`, `specmesh up` flags): its URL."""
     args = ["--speculative-algorithm", "EAGLE3"]
     if online_dir is not None:
         args += ["--speculative-online-learning", "--speculative-online-dir", str(online_dir)]
-        args += ["--learner-nice", str(learner_nice)]
+        args += learner
     with start_nats() as bus, specmesh_up(model, "--nats-url", bus.url, *args, log=log) as url:
         yield url
 
@@ -177,8 +181,15 @@ def main() -> None:
         help="the learner's niceness: 19 trains on idle cores only; lower takes more of "
         "them from serving",
     )
+    parser.add_argument(
+        "--learner-idle",
+        action="store_true",
+        help="the learner at SCHED_IDLE: only CPU time serving leaves",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench_online_out"))
     args = parser.parse_args()
+    learner = ["--learner-nice", str(args.learner_nice)]
+    learner += ["--learner-idle"] if args.learner_idle else []
     model = args.model or fetch_default_model()
     stream, test = split(Tokenizer(model), args.requests, args.test)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -190,13 +201,13 @@ def main() -> None:
         (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
 
     speed = stream[: args.speed_requests]
-    with deployment(model, None, args.out / "off.log", args.learner_nice) as url:
+    with deployment(model, None, args.out / "off.log", learner) as url:
         emit("off", Replay(url, args.new_tokens, args.concurrency).run(speed))
 
     online = args.out / "online"
     shutil.rmtree(online, ignore_errors=True)
     log = args.out / "on.log"
-    with deployment(model, online, log, args.learner_nice) as url:
+    with deployment(model, online, log, learner) as url:
         versions = {"start": current_version(online)}
         replay = Replay(url, args.new_tokens, args.concurrency)
         for start in range(0, args.requests, 100):

@@ -54,6 +54,11 @@ class UpConfig:
     )
     metrics: bool = option(True, "serve /metrics from every service (on free ports)")
     learner_nice: int = option(19, "niceness of the learner (--speculative-online-learning)")
+    learner_idle: bool = option(
+        False,
+        "the learner computes only on CPU time serving leaves (SCHED_IDLE), so a serving "
+        "thread that wakes never waits for it",
+    )
     decode_nice: int = option(
         0,
         "niceness of decode workers (negative needs CAP_SYS_NICE); above 0 a background job "
@@ -234,6 +239,8 @@ class Launcher:
                 instance = f"{kind}-{i}"
                 placement = cores[instance]
                 placement = replace(placement, nice=niceness.get(kind, placement.nice))
+                if kind == "learner":
+                    placement = replace(placement, idle=up.learner_idle)
                 argv = [sys.executable, "-m", f"specmesh.services.{kind}", "--nats-url", nats_url]
                 argv += ["--instance-id", instance, *self.configs.service_argv(kind)]
                 argv += dataclass_argv(placement)

@@ -1,9 +1,9 @@
 """Where a service process computes: its CPUs, its compute threads, its priority.
 
-Every service takes `--cpus`, `--threads` and `--nice` (or SPECMESH_CPUS, ...); `specmesh up`
-chooses them per service from the cores it sees and the pools it starts (`plan_cores`),
-and compose/Nomad set the same variables. They are applied once, before a model loads
-and before any compute thread starts, so every thread inherits them.
+Every service takes `--cpus`, `--threads`, `--nice` and `--idle` (or SPECMESH_CPUS, ...);
+`specmesh up` chooses them per service from the cores it sees and the pools it starts
+(`plan_cores`), and compose/Nomad set the same variables. They are applied once, before a
+model loads and before any compute thread starts, so every thread inherits them.
 """
 
 from __future__ import annotations
@@ -40,6 +40,11 @@ class CoresConfig:
         "scheduling niceness of this process; lower than the current one needs "
         "CAP_SYS_NICE, and without it the current one is kept (logged)",
     )
+    idle: bool = option(
+        False,
+        "run only on CPU time no other process wants (Linux SCHED_IDLE; any other task "
+        "that wakes takes the core at once): for background work such as the learner",
+    )
 
     def __post_init__(self) -> None:
         if self.cpus is not None:
@@ -74,8 +79,9 @@ def format_cpus(cpus: list[int]) -> str:
 
 
 def place_process(cfg: CoresConfig) -> int:
-    """Pin this process, set its niceness, and return its compute threads. Threads that
-    torch and tokenizers start later read the environment set here."""
+    """Pin this process, set its niceness and policy, and return its compute threads.
+    Threads that torch and tokenizers start later inherit them and read the environment
+    set here."""
     if cfg.cpus is not None:
         wanted = set(parse_cpus(cfg.cpus))
         try:
@@ -84,6 +90,8 @@ def place_process(cfg: CoresConfig) -> int:
             raise ValueError(f"--cpus {cfg.cpus}: {exc.strerror}") from None
     if cfg.nice is not None:
         _renice(cfg.nice)
+    if cfg.idle:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     threads = cfg.threads or usable_cpus()
     for variable in ("OMP_NUM_THREADS", "RAYON_NUM_THREADS"):
         os.environ[variable] = str(threads)

@@ -80,6 +80,20 @@ def test_a_process_pins_renices_and_sizes_its_threads() -> None:
 
 
 @pytest.mark.unit
+def test_a_background_process_runs_at_idle_policy() -> None:
+    code = (
+        "import os, threading; from specmesh.shared.cores import CoresConfig, place_process;"
+        "place_process(CoresConfig(idle=True)); policy = [];"
+        "t = threading.Thread(target=lambda: policy.append(os.sched_getscheduler(0)));"
+        "t.start(); t.join(); print(os.sched_getscheduler(0), policy[0], os.SCHED_IDLE)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    main, thread, idle = out.stdout.split()
+    assert main == thread == idle  # threads started later inherit it
+
+
+@pytest.mark.unit
 def test_default_threads_follow_the_cgroup_quota(tmp_path: Path) -> None:
     cpus = len(os.sched_getaffinity(0))
     assert usable_cpus(tmp_path) == cpus  # no cpu.max: no cgroup v2 limit
