@@ -230,17 +230,18 @@ class Launcher:
             "learner": int(self.configs.spec.speculative_online_learning),
             "gateway": 1,
         }
-        # Each instance's cores, threads and niceness; a child dies with us.
-        niceness = {"decode": up.decode_nice, "learner": up.learner_nice}
+        # Each instance's cores, threads and priority; a child dies with us.
+        priority = {
+            "decode": {"nice": up.decode_nice},
+            "learner": {"nice": up.learner_nice, "idle": up.learner_idle},
+        }
         cores = plan_cores(sorted(os.sched_getaffinity(0)), counts)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for kind, count in counts.items():
             for i in range(count):
                 instance = f"{kind}-{i}"
                 placement = cores[instance]
-                placement = replace(placement, nice=niceness.get(kind, placement.nice))
-                if kind == "learner":
-                    placement = replace(placement, idle=up.learner_idle)
+                placement = replace(placement, **priority.get(kind, {}))
                 argv = [sys.executable, "-m", f"specmesh.services.{kind}", "--nats-url", nats_url]
                 argv += ["--instance-id", instance, *self.configs.service_argv(kind)]
                 argv += dataclass_argv(placement)

@@ -96,11 +96,8 @@ class Example:
 
 def pooled(scores: Mapping[int, Acceptance]) -> float:
     """The acceptance length of held-out examples scored apart (`heldout_scores`)."""
-    total = Acceptance()
-    for score in scores.values():
-        total.tokens += score.tokens
-        total.steps += score.steps
-    return total.length
+    tallies = scores.values()
+    return Acceptance(sum(a.tokens for a in tallies), sum(a.steps for a in tallies)).length
 
 
 class OnlineTrainer(abc.ABC):
