@@ -135,4 +135,5 @@ def block_loss(
     correct[rows] = vocab_ids[logits.argmax(-1)] == choice[rows]
     counted = weight * reached(correct)[rows] if anchors.on_policy else weight
     loss = (per_row * counted).sum() / weight.sum().clamp(min=1e-6)
-    return StepResult(loss, correct.flatten(0, 1), anchor_ok.flatten() & learned[..., 0].flatten())
+    valid = anchor_ok.flatten() & learned[..., 0].flatten()
+    return StepResult(loss, correct.flatten(0, 1), valid, picked, length)

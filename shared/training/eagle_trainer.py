@@ -115,7 +115,10 @@ class UnrolledAttention:
         """context: [B*M, in] step 0's attention input at every entry; roots: [B, r]."""
         self.head, a = head, head.self_attn
         (self.b, self.r), self.m = roots.shape, len(context) // roots.shape[0]
-        _, k, v = a.qkv_proj(context).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        # Only roots query: the context needs keys and values alone.
+        kv, bias = a.qkv_proj.weight[a.q_size :], a.qkv_proj.bias
+        kv_bias = None if bias is None else bias[a.q_size :]
+        k, v = F.linear(context, kv, kv_bias).split([a.kv_size, a.kv_size], dim=-1)
         positions = torch.arange(self.m, device=roots.device).repeat(self.b)
         k = self._rope(k, a.num_kv_heads, positions)
         # [B, KVH, 1, M, D]: broadcast over each KV group's query heads
@@ -168,12 +171,26 @@ class StepResult:
     loss: torch.Tensor
     correct: torch.Tensor  # [B*r, steps] bool: step k's greedy draft is the target's choice
     valid: torch.Tensor  # [B*r] the root's first label is learned
+    roots: torch.Tensor  # [B, r] the entries unrolled, ascending
+    entries: int  # M, each sample's entries
+
+    def per_entry(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(correct [B*M, steps], valid [B*M]) at every entry, as `Acceptance` reads them;
+        an entry not unrolled is neither."""
+        b = self.roots.shape[0]
+        offsets = torch.arange(b, device=self.roots.device)[:, None] * self.entries
+        index = (self.roots + offsets).flatten()
+        correct = self.correct.new_zeros(b * self.entries, self.correct.shape[1])
+        valid = self.valid.new_zeros(b * self.entries)
+        correct[index], valid[index] = self.correct, self.valid
+        return correct, valid
 
 
 @dataclass
 class Roots:
     """Which entries a loss unrolls as drafting roots (DFLASH: block anchors): a random
-    `fraction` of each sample's valid entries (all of them when 1). On-policy (see the
+    `fraction` of each sample's valid entries (every valid one when 1: serving never
+    drafts from a prompt's entries, so judging skips them). On-policy (see the
     module doc): `preference` [B, M] weighs each entry's chance, and a draft step counts
     only where the head's own chain reached it."""
 
@@ -190,6 +207,8 @@ class Roots:
         [B, M]. Samples short of valid entries get invalid ones, which the loss ignores."""
         b, m = valid.shape
         r = max(1, math.ceil(self.fraction * m))
+        if self.fraction >= 1:
+            r = max(1, int(valid.sum(dim=1).max()))
         if r >= m:
             return torch.arange(m, device=valid.device).expand(b, m)
         noise = torch.rand(b, m, generator=self.generator, device=valid.device)
@@ -253,7 +272,7 @@ def unrolled_loss(
         guess = logits.argmax(-1)
         guess = guess if draft_ids is None else draft_ids[guess]
         correct[rows, k] = guess == choice[rows]
-    return StepResult(loss, correct, at(batch.learned, 1))
+    return StepResult(loss, correct, at(batch.learned, 1), picked, m)
 
 
 def target_cross_entropy(
@@ -292,8 +311,8 @@ class Acceptance:
     steps: int = 0
 
     def add(self, correct: torch.Tensor, valid: torch.Tensor, samples: int) -> None:
-        """correct [S*M, K], valid [S*M]: a pass over `samples` samples with every entry a
-        root (`Roots()`), sample-major."""
+        """correct [S*M, K], valid [S*M]: a pass over `samples` samples at every entry
+        (`StepResult.per_entry` of a `Roots()` pass), sample-major."""
         chains = correct.int().cumprod(dim=1).sum(dim=1).view(samples, -1).tolist()
         for chain, learned in zip(chains, valid.view(samples, -1).tolist(), strict=True):
             p = 1  # an answer's first token comes from the prefill, not from a draft

@@ -133,8 +133,8 @@ class OnlineTrainer(abc.ABC):
 
     @abc.abstractmethod
     def loss(self, draft: nn.Module, batch: Batch, roots: Roots) -> StepResult:
-        """The offline trainer's loss of `draft` over `batch`; with `Roots()`, every entry's
-        greedy chain (sample-major), as `Acceptance` reads it."""
+        """The offline trainer's loss of `draft` over `batch`; with `Roots()`, every valid
+        entry's greedy chain (`StepResult.per_entry` gives them as `Acceptance` reads them)."""
 
     def reset(self, draft: nn.Module) -> None:
         """Train `draft` (float32, on the target's device) from now on, with a new optimizer."""
@@ -282,9 +282,9 @@ class OnlineTrainer(abc.ABC):
         draft.eval()
         for start in range(0, len(new), 8):
             batch = new[start : start + 8]
-            r = self.loss(draft, self._batch(batch), Roots())
-            correct = r.correct[:, : self.options.ttt_steps].unflatten(0, (len(batch), -1))
-            valid = r.valid.view(len(batch), -1)
+            correct, valid = self.loss(draft, self._batch(batch), Roots()).per_entry()
+            correct = correct[:, : self.options.ttt_steps].unflatten(0, (len(batch), -1))
+            valid = valid.view(len(batch), -1)
             for i, example in enumerate(batch):
                 scores[example.serial] = Acceptance()
                 scores[example.serial].add(correct[i], valid[i], 1)

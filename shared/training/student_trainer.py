@@ -116,4 +116,5 @@ def distill_loss(
     hit[rows] = vocab_ids[logits.argmax(-1)] == batch.argmax[rows]
     correct = F.pad(hit, (0, steps - 1)).unfold(1, steps, 1)  # [B, L, steps]: hit[p + k]
     loss = per_row.sum() / max(1, len(per_row))
-    return StepResult(loss, correct.flatten(0, 1), batch.learned.flatten())
+    every = torch.arange(learned.shape[1], device=learned.device).expand_as(learned)
+    return StepResult(loss, correct.flatten(0, 1), batch.learned.flatten(), every, every.shape[1])

@@ -544,7 +544,7 @@ def evaluate(run: Run, batches: list[list[int]]) -> tuple[float, float]:
     for idx in batches:
         r = run.trainee.loss(collate(run.samples, run.views, idx, run.device), Roots())
         losses.append(r.loss.item())
-        acceptance.add(r.correct, r.valid, len(idx))
+        acceptance.add(*r.per_entry(), len(idx))
     run.trainee.module.train()
     return sum(losses) / max(1, len(losses)), acceptance.length
 
@@ -554,9 +554,9 @@ def chain_preference(trainee: Trainee, batch: Batch) -> torch.Tensor:
     """[B, M] the on-policy stage's preference for each entry as a root (DFLASH: anchor):
     K + 1 - the length of the drafter's greedy chain from it, K its steps (see
     `eagle_trainer.py`)."""
-    probe = trainee.loss(batch, Roots())
-    chain = probe.correct.int().cumprod(dim=1).sum(dim=1)
-    return (probe.correct.shape[1] + 1 - chain).float().view(len(batch.ids), -1)
+    correct, _ = trainee.loss(batch, Roots()).per_entry()
+    chain = correct.int().cumprod(dim=1).sum(dim=1)
+    return (correct.shape[1] + 1 - chain).float().view(len(batch.ids), -1)
 
 
 def feature_layers(cfg: TrainDraftConfig, num_layers: int) -> tuple[tuple[int, ...], bool]:
