@@ -1,7 +1,7 @@
 """Online learning: does the pool's EAGLE-3 head learn a prompt source it never saw?
 
     python benchmarks/bench_online.py [--requests 1000] [--test 50] [--new-tokens 80]
-        [--concurrency 8] [--speed-requests 200] [--learner-nice 19] [--learner-idle]
+        [--concurrency 8] [--speed-requests N] [--learner-nice 19] [--learner-idle]
         [--out DIR]
 
 The source: "explain this Python function" over functions and methods of the standard
@@ -10,7 +10,8 @@ the learner's hash holds out (`is_heldout`); they never reach the deployment, so
 version is trained or chosen on them. The replay is the source's other prompts in order,
 held-out ones among them as in real traffic (the learner judges candidates on those).
 
-1. Learning off: the first `--speed-requests` replay prompts, generated tokens/s.
+1. Learning off: the first `--speed-requests` replay prompts (default: all of them),
+   generated tokens/s.
 2. Learning on (a fresh learner directory): the replay of `--requests` prompts, printing
    tokens/s and the pool's head version per 100; the first `--speed-requests` give the
    on/off speed ratio (the same prompts, while the learner trains beside them). After
@@ -172,7 +173,13 @@ def main() -> None:
     parser.add_argument("--test", type=int, default=50)
     parser.add_argument("--new-tokens", type=int, default=80)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--speed-requests", type=int, default=200)
+    parser.add_argument(
+        "--speed-requests",
+        type=int,
+        default=None,
+        help="replay prompts whose speed is compared, learning on and off (default: all: "
+        "the whole time the learner trains)",
+    )
     parser.add_argument("--settle-minutes", type=float, default=10.0)
     parser.add_argument(
         "--learner-nice",
@@ -200,7 +207,7 @@ def main() -> None:
         print(f"{name}: {json.dumps(value)}", flush=True)
         (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
 
-    speed = stream[: args.speed_requests]
+    speed = stream[: args.speed_requests or args.requests]
     with deployment(model, None, args.out / "off.log", learner) as url:
         emit("off", Replay(url, args.new_tokens, args.concurrency).run(speed))
 

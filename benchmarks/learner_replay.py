@@ -8,9 +8,9 @@ e.g. bench_online.py's), the tokens of the requests a pool served. They are rest
 a restarted learner restores them (one target pass for their features), then, per
 options (`OnlineOptions` fields, comma-separated), the shipped EAGLE-3 head trains on
 them from scratch with the same seed for `--seconds` of optimizer steps, printing the
-held-out acceptance (the learner's own judge) every `--every` steps and at the end.
-Options are compared at equal training seconds, run one after another on a quiet
-machine; judging is not counted.
+held-out acceptance (the learner's own judge) every `--every` steps and at the end, and
+how long judging took. Options are compared at equal training seconds, run one after
+another on a quiet machine; judging is not counted in them.
 """
 
 from __future__ import annotations
@@ -41,10 +41,12 @@ def train(trainer: OnlineTrainer, label: str, seconds: float, every: int) -> Non
         spent += time.perf_counter() - start
         step += 1
         if step % every == 0 or spent >= seconds:
+            start = time.perf_counter()
             acceptance = trainer.heldout_acceptance(trainer.draft)
+            judged = time.perf_counter() - start
             print(
                 f"{label:<28} step {step:4d}  {spent:6.1f} s  loss {loss:.3f}  "
-                f"held-out {acceptance:.3f}",
+                f"held-out {acceptance:.3f} (judged in {judged:.1f} s)",
                 flush=True,
             )
 

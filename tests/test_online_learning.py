@@ -365,6 +365,7 @@ def test_a_head_that_drafts_worse_is_rolled_back(
 
 def a_worse_version_is_rolled_back(pool: Pool, reference: dict[str, str], head: Path) -> None:
     """`head` pushed, drafted with while output stays the target's, then rolled back."""
+    assert pool.serve_all() == reference  # live acceptance for the version it is judged by
     last = max(int(v) for v in pool.state()["versions"])
     pool.push(head, "worse")
     pool.wait_for("the push", lambda: pool.pushed(last) is not None)
