@@ -31,6 +31,7 @@ from specmesh.shared.training.data import CaptureReader, find_captures, read_sam
 from specmesh.shared.training.eagle_trainer import (
     Acceptance,
     Roots,
+    StepResult,
     collate,
     reached,
     unrolled_loss,
@@ -392,6 +393,20 @@ def test_on_policy_roots_prefer_short_chains_and_steps_count_where_chains_reach(
             losses[steps, on_policy] = r.loss.item()
     assert losses[1, True] == pytest.approx(losses[1, False])
     assert losses[3, True] < losses[3, False] - 1e-3, losses
+
+
+@pytest.mark.unit
+def test_a_judging_pass_unrolls_every_valid_entry_and_puts_chains_back_in_place() -> None:
+    """`Roots()` picks each sample's valid entries (padded to the batch's most), and
+    `per_entry` returns their chains at their entries, as `Acceptance` reads them."""
+    valid = torch.tensor([[False, True, True, False, True], [False, False, True, False, False]])
+    roots = Roots().pick(valid)  # [2, 3]
+    assert roots.shape == (2, 3) and valid.gather(1, roots).sum(dim=1).tolist() == [3, 1]
+    chains = (roots * 10).flatten()[:, None] + torch.arange(2)  # distinct per root: [6, 2]
+    result = StepResult(torch.zeros(()), chains, valid.gather(1, roots).flatten(), roots, 5)
+    correct, at_entries = result.per_entry()
+    assert at_entries.view(2, 5).equal(valid)
+    assert correct.view(2, 5, 2)[valid].tolist() == [[10, 11], [20, 21], [40, 41], [20, 21]]
 
 
 def test_heldout_acceptance_walks_a_sample_as_serving_does() -> None:
