@@ -13,6 +13,7 @@ launches per layer), and the loader splices checkpoint weights into them.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from specmesh.shared.model.attention import AttentionBackend, AttentionMetadata
 from specmesh.shared.model.config import ModelConfig
 from specmesh.shared.model.gated_deltanet import GatedDeltaNet, LinearMetadata, LinearStates
@@ -51,6 +52,15 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, D], k and v [T, KVH, D], q and k rotated to their positions."""
         return self._split_rotate(self.qkv_proj(x), cos, sin)
+
+    def unrotated_keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k and v [T, kv_size] of x before any norm or rotation, from their rows of
+        `qkv_proj` alone: for entries only attended to (training's context)."""
+        rows = slice(self.q_size, self.q_size + 2 * self.kv_size)
+        bias = self.qkv_proj.bias
+        kv = F.linear(x, self.qkv_proj.weight[rows], None if bias is None else bias[rows])
+        k, v = kv.split(self.kv_size, dim=-1)
+        return k, v
 
     def _split_rotate(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

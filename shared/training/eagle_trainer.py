@@ -115,10 +115,7 @@ class UnrolledAttention:
         """context: [B*M, in] step 0's attention input at every entry; roots: [B, r]."""
         self.head, a = head, head.self_attn
         (self.b, self.r), self.m = roots.shape, len(context) // roots.shape[0]
-        # Only roots query: the context needs keys and values alone.
-        kv, bias = a.qkv_proj.weight[a.q_size :], a.qkv_proj.bias
-        kv_bias = None if bias is None else bias[a.q_size :]
-        k, v = F.linear(context, kv, kv_bias).split([a.kv_size, a.kv_size], dim=-1)
+        k, v = a.unrotated_keys_values(context)  # only roots query
         positions = torch.arange(self.m, device=roots.device).repeat(self.b)
         k = self._rope(k, a.num_kv_heads, positions)
         # [B, KVH, 1, M, D]: broadcast over each KV group's query heads
@@ -203,12 +200,14 @@ class Roots:
         return self.preference is not None
 
     def pick(self, valid: torch.Tensor) -> torch.Tensor:
-        """[B, r] ascending roots per sample, r = ceil(fraction * M), among its valid entries
-        [B, M]. Samples short of valid entries get invalid ones, which the loss ignores."""
+        """[B, r] ascending roots per sample among its valid entries [B, M]: r = ceil(fraction
+        * M), at fraction 1 the most valid entries a sample has. Samples short of valid
+        entries get invalid ones, which the loss ignores."""
         b, m = valid.shape
-        r = max(1, math.ceil(self.fraction * m))
         if self.fraction >= 1:
             r = max(1, int(valid.sum(dim=1).max()))
+        else:
+            r = max(1, math.ceil(self.fraction * m))
         if r >= m:
             return torch.arange(m, device=valid.device).expand(b, m)
         noise = torch.rand(b, m, generator=self.generator, device=valid.device)
