@@ -347,6 +347,7 @@ class ResumeRequest(Message, kw_only=True):
 
 class ResumeReply(Message, kw_only=True):
     token_ids: list[TokenId]
+    finished: bool = False  # it finished before it could move: its last text is on its way
 
 
 class Abort(Message, kw_only=True):

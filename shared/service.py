@@ -120,10 +120,10 @@ class _MetricsHandler(MetricsHandler):
         self.wfile.write(body)
 
 
-class RecentAborts:
-    """Request ids aborted in the last `seconds`. An abort travels on its own subject, so
-    it can overtake the message that would start the request here (NATS keeps order per
-    subject, not across them); a service checks this before it starts anything."""
+class RecentIds:
+    """Request ids seen in the last `seconds`: news of a request that may still be
+    overtaken by, or overtake, other news of it (NATS keeps order per subject, not
+    across them)."""
 
     def __init__(self, seconds: float = 300.0) -> None:
         self.seconds = seconds
@@ -138,6 +138,11 @@ class RecentAborts:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._ids
+
+
+class RecentAborts(RecentIds):
+    """Request ids aborted lately. An abort can overtake the message that would start
+    the request here; a service checks this before it starts anything."""
 
     def check(self, request_id: str) -> None:
         if request_id in self._ids:

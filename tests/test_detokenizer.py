@@ -42,6 +42,8 @@ def test_batches_become_the_text_and_the_request_is_forgotten_when_it_ends(
     assert (first.num_tokens, last.finish_reason) == (3, "length")
     assert len(detokenizer) == 0
     assert detokenizer.push(_batch(ids)) is None  # nothing more for a finished request
+    # Its worker's goodbye may reach the gateway before this last text: it must not move.
+    assert detokenizer.resume("r1", attempt=1) is None
 
 
 def test_a_stop_string_ends_the_request_mid_batch(tok: Tokenizer) -> None:

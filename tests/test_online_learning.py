@@ -426,15 +426,14 @@ def test_a_draft_lm_pool_learns_as_heads_do(
     smollm_dir: Path, reference: dict[str, str], tmp_path: Path
 ) -> None:
     """STANDALONE's draft LM (its examples carry no features): trained versions are drafted
-    with under concurrency, a worse one is rolled back, corrupt and mismatched ones are
-    refused, and output stays the target's throughout. DFLASH shares all of it but its
-    trainer and swap, tested alone above and below."""
+    with under concurrency, a mismatched one is refused, and output stays the target's
+    throughout. Rollback (live acceptance) and a cut file's refusal do not depend on the
+    algorithm: the EAGLE-3 pool above shows them. DFLASH shares all of it but its trainer
+    and swap, tested alone above and below."""
     with learning_pool(smollm_dir, tmp_path, "STANDALONE") as pool:
         trained_versions_are_drafted_with(pool, reference)
-        bad = noisy_drafter("STANDALONE", tmp_path / "bad", 50)
-        a_worse_version_is_rolled_back(pool, reference, bad)
-        for kind in ("mismatched", "corrupt"):
-            a_version_is_refused(pool, unfit_drafter("STANDALONE", kind, tmp_path / kind), kind)
+        unfit = unfit_drafter("STANDALONE", "mismatched", tmp_path / "mismatched")
+        a_version_is_refused(pool, unfit, "mismatched")
 
 
 @pytest.mark.parametrize("kind", ["mismatched", "corrupt"])

@@ -145,6 +145,36 @@ def test_mixed_rows_are_independent() -> None:
         torch.testing.assert_close(row, to_probs(logits[:1], [p])[0])
 
 
+def truncated_by_whole_sort(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The definition: one row sorted whole (ties: lowest id first), then top_k, top_p on
+    the renormalised rest, min_p against the best."""
+    values, order = row.sort(descending=True, stable=True)
+    keep = torch.arange(len(row)) < (p.top_k if p.top_k > 0 else len(row))
+    values = values.masked_fill(~keep, -math.inf)
+    probs = values.softmax(-1)
+    keep &= probs.cumsum(-1) - probs < p.top_p
+    keep &= values >= values[0] + (math.log(p.min_p) if p.min_p else -math.inf)
+    return torch.full_like(row, -math.inf).scatter(0, order, values.masked_fill(~keep, -math.inf))
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_truncation_sorts_a_rows_best_few_as_if_it_sorted_the_whole_row(ties: bool) -> None:
+    """Rows whose kept tokens lie among their best few sort only those: the same tokens
+    kept, ties and all, as sorting all 8,192; rows that keep more (flat, or a tie across
+    the cut) are sorted whole, in the same batch."""
+    gen = torch.Generator().manual_seed(int(ties))
+    logits = torch.randn(12, 8192, generator=gen) * torch.linspace(0.5, 8, 12)[:, None]
+    if ties:  # many equal logits, some rows mostly masked out
+        logits = (logits * 2).round() / 2
+        logits[::3, :8000] = -math.inf
+    params = [P(top_k=20), P(top_p=0.9), P(min_p=0.05), P(top_k=300, top_p=0.8)] * 3
+    got = to_probs(logits, params)
+    for row, p, probs in zip(logits, params, got, strict=True):
+        want = truncated_by_whole_sort(row, p).softmax(-1)
+        assert torch.equal(probs > 0, want > 0)
+        torch.testing.assert_close(probs, want)
+
+
 # --- randomness -----------------------------------------------------------------------
 
 

@@ -316,6 +316,9 @@ class Cluster:
             resume = ResumeRequest(request_id=request_id, attempt=request.attempt)
             subject = resume_subject(request.tokenizer_id)
             resumed = await self.bus.request(subject, resume, ResumeReply, 10)
+            if resumed.finished:
+                log.info("request %s finished as %s went away", request_id, lost)
+                return
             left = request.params.max_tokens - len(resumed.token_ids)
             if left < 1:
                 raise Unavailable("its last tokens were lost")

@@ -4,7 +4,8 @@ A request's text stream lives where it was tokenized (incremental UTF-8-safe dec
 stop strings). Decode workers send its tokens there step by step; each batch of them
 becomes one `TextDelta` for the gateway. A request that moved to another decode worker
 is resumed from the tokens this side already has, and tokens of its older placement
-are dropped.
+are dropped. A request that finished here lately is known as such: its worker's goodbye
+can reach the gateway before its last text does, and it must not move then.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specmesh.shared.protocol import TextDelta, TokenBatch, TokenLogprob
+from specmesh.shared.service import RecentIds
 from specmesh.shared.tokenizer import TextStream, Tokenizer
 
 
@@ -31,6 +33,7 @@ class Detokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.outputs: dict[str, Output] = {}
+        self.finished = RecentIds()
 
     def __len__(self) -> int:
         return len(self.outputs)
@@ -47,9 +50,12 @@ class Detokenizer:
             if output.gateway_subject == gateway_subject:
                 del self.outputs[request_id]
 
-    def resume(self, request_id: str, attempt: int) -> list[int]:
-        """The tokens so far of a request that moved to its `attempt`-th placement."""
+    def resume(self, request_id: str, attempt: int) -> list[int] | None:
+        """The tokens so far of a request that moved to its `attempt`-th placement; None if
+        it finished here (its last text is on its way)."""
         output = self.outputs.get(request_id)
+        if output is None and request_id in self.finished:
+            return None
         if output is None:
             raise ValueError(f"request {request_id} is not detokenized here")
         output.attempt = attempt
@@ -76,6 +82,7 @@ class Detokenizer:
         if finish is not None:
             text += stream.flush()
             del self.outputs[batch.request_id]
+            self.finished.add(batch.request_id)
         return TextDelta(
             request_id=batch.request_id,
             text=text,

@@ -150,7 +150,8 @@ class TokenizerService(Service):
         self._count_active()
 
     async def resume(self, req: ResumeRequest) -> ResumeReply:
-        return ResumeReply(token_ids=self.detokenizer.resume(req.request_id, req.attempt))
+        token_ids = self.detokenizer.resume(req.request_id, req.attempt)
+        return ResumeReply(token_ids=token_ids or [], finished=token_ids is None)
 
     async def abort(self, msg: Abort) -> None:
         self.aborted.add(msg.request_id)

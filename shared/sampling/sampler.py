@@ -80,25 +80,84 @@ def apply_penalties(
     return out
 
 
+CANDIDATES = 256  # tokens sorted per row where no top_k bounds the kept ones
+
+
 def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Mask (to -inf) tokens outside top_k, then top_p, then min_p, in one sort."""
+    """Mask (to -inf) tokens outside top_k, then top_p, then min_p, in one stable
+    descending sort (ties: lowest id first, as argmax): of a row's best few where they
+    hold every token it keeps (`_best`), else of the whole row."""
     dev, vocab = logits.device, logits.shape[-1]
     top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
     top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
     # min_p keeps p >= min_p * p_max, i.e. logit >= max_logit + log(min_p); the ratio is
     # unchanged by renormalisation after top_k/top_p, so it can be tested on raw logits.
-    log_min_p = [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params]
-    # Stable sort so ties resolve to the lowest token id, matching argmax.
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
-    drop = torch.arange(vocab, device=dev)[None, :] >= top_k[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
-    probs = sorted_logits.softmax(dim=-1)
+    log_min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params])
+    min_logit = logits.max(dim=-1, keepdim=True).values + log_min_p.to(dev)[:, None]
+    out = torch.full_like(logits, -math.inf)
+    whole = torch.ones(len(logits), dtype=torch.bool, device=dev)  # rows sorted whole
+    if (best := _best(logits, top_k, top_p, min_logit)) is not None:
+        values, ids, log_total, whole = best
+        out.scatter_(1, ids, _kept(values, top_k, top_p, min_logit, log_total))
+    if whole.any():  # their rows of `out` are replaced whole
+        values, ids = logits[whole].sort(dim=-1, descending=True, stable=True)
+        kept = _kept(values, top_k[whole], top_p[whole], min_logit[whole], None)
+        out[whole] = torch.full_like(values, -math.inf).scatter_(1, ids, kept)
+    return out
+
+
+def _kept(
+    values: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_logit: torch.Tensor,
+    log_total: torch.Tensor | None,
+) -> torch.Tensor:
+    """`values` [R, n], logits sorted stably in descending order, with those top_k, top_p
+    and min_p drop at -inf; `log_total` [R, 1]: the log of the top_k-truncated softmax's
+    denominator (None: `values` hold the whole rows)."""
+    drop = torch.arange(values.shape[-1], device=values.device)[None, :] >= top_k[:, None]
+    values = values.masked_fill(drop, -math.inf)
+    probs = values.softmax(dim=-1) if log_total is None else (values - log_total).exp()
     # top_p keeps the shortest prefix reaching mass top_p: drop a token once the mass
     # before it already does. The top token is never dropped (top_p > 0, min_p <= 1).
     drop |= (probs.cumsum(dim=-1) - probs) >= top_p
-    drop |= sorted_logits < sorted_logits[:, :1] + torch.tensor(log_min_p, device=dev)[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    drop |= values < min_logit
+    return values.masked_fill(drop, -math.inf)
+
+
+def _best(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_logit: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Each row's k best logits and their ids [B, k] in stable descending order, the log
+    of its top_k-truncated softmax's denominator [B, 1], and [B] whether the row must be
+    sorted whole instead: it keeps more than its k best (too little mass in them for its
+    top_p, and min_p keeping more), or a tie crosses the k-th place (topk keeps any of
+    the tied). k: the largest top_k, at least CANDIDATES where a row has none; None
+    where k is near V."""
+    vocab = logits.shape[-1]
+    bounded = top_k < vocab
+    k = int(top_k[bounded].max()) if bounded.any() else 0
+    if not bounded.all():
+        k = max(k, CANDIDATES)
+    if 8 * k > vocab:
+        return None
+    values, ids = logits.topk(k, dim=-1)  # descending, ties in no set order
+    ids, by_id = ids.sort(dim=-1)
+    values, by_value = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+    last = values[:, -1:]
+    tied_out = ((logits == last).sum(-1) > (values == last).sum(-1)) & (last[:, 0] > -math.inf)
+    in_top_k = torch.arange(k, device=logits.device)[None, :] < top_k[:, None]
+    log_total = torch.where(
+        bounded[:, None],
+        values.masked_fill(~in_top_k, -math.inf).logsumexp(-1, keepdim=True),
+        logits.logsumexp(-1, keepdim=True),
+    )
+    # A margin over top_p: summed in another order than `_kept`'s cumsum.
+    mass = (values - log_total).exp().sum(-1, keepdim=True)
+    kept_by_min_p = (logits >= min_logit).sum(-1, keepdim=True)
+    covered = (bounded[:, None] | (mass >= top_p + 1e-5) | (kept_by_min_p <= k))[:, 0]
+    return values, ids.gather(-1, by_value), log_total, tied_out | ~covered
 
 
 def to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
