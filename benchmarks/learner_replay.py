@@ -2,6 +2,7 @@
 
     python benchmarks/learner_replay.py EXAMPLES [--seconds 200] [--every 20]
         [--options root_fraction=0.25 root_fraction=0.1 lr=8e-4 ...]
+        [--labels emitted distribution]
 
 EXAMPLES: the `examples.jsonl` a learner keeps (`<--speculative-online-dir>/eagle3/`,
 e.g. bench_online.py's), the tokens of the requests a pool served. They are restored as
@@ -11,6 +12,10 @@ them from scratch with the same seed for `--seconds` of optimizer steps, printin
 held-out acceptance (the learner's own judge) every `--every` steps and at the end, and
 how long judging took. Options are compared at equal training seconds, run one after
 another on a quiet machine; judging is not counted in them.
+
+`--labels distribution` also trains each options set on the target's whole distribution
+after each position (soft labels, from a second target pass), where `emitted` (what a
+learner has) is the token the target emitted: what decode's top-k would add.
 """
 
 from __future__ import annotations
@@ -24,7 +29,13 @@ import torch
 from specmesh.shared.model.fetch import fetch_default_model
 from specmesh.shared.model.loader import load_model
 from specmesh.shared.speculative.config import SpeculativeConfig
-from specmesh.shared.training.online import OnlineOptions, OnlineTrainer, online_trainer
+from specmesh.shared.training.features import TargetView, extract
+from specmesh.shared.training.online import (
+    Example,
+    OnlineOptions,
+    OnlineTrainer,
+    online_trainer,
+)
 
 
 def parse(options: str) -> OnlineOptions:
@@ -51,12 +62,27 @@ def train(trainer: OnlineTrainer, label: str, seconds: float, every: int) -> Non
             )
 
 
+def with_distribution(trainer: OnlineTrainer) -> list[Example]:
+    """The trainer's training examples labelled with the target's distribution: its final
+    states, from a target pass."""
+    examples = list(trainer.train_set)
+    samples = [e.sample for e in examples]
+    finals = extract(trainer.target, samples, *trainer.target_features, store_dtype=torch.float16)
+    return [
+        Example(e.sample, TargetView(e.view.features, v.final, e.view.argmax), e.serial)
+        for e, v in zip(examples, finals, strict=True)
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("examples", type=Path)
     parser.add_argument("--seconds", type=float, default=200.0)
     parser.add_argument("--every", type=int, default=20)
     parser.add_argument("--options", nargs="+", default=["root_fraction=0.25", "root_fraction=0.1"])
+    parser.add_argument(
+        "--labels", nargs="+", choices=["emitted", "distribution"], default=["emitted"]
+    )
     args = parser.parse_args()
     model = fetch_default_model()
     head = SpeculativeConfig(speculative_algorithm="EAGLE3").resolved().speculative_draft_model_path
@@ -75,10 +101,15 @@ def main() -> None:
         f"{served.heldout_acceptance(served.draft):.3f}",
         flush=True,
     )
+    train_sets = {"emitted": list(served.train_set)}
+    if "distribution" in args.labels:
+        train_sets["distribution"] = with_distribution(served)
     for options in args.options:
-        trainer = shipped(parse(options))  # the same seed each time
-        trainer.train_set, trainer.heldout = served.train_set, served.heldout
-        train(trainer, options, args.seconds, args.every)
+        for labels in args.labels:
+            trainer = shipped(parse(options))  # the same seed each time
+            trainer.train_set.extend(train_sets[labels])
+            trainer.heldout = served.heldout
+            train(trainer, f"{options} {labels}", args.seconds, args.every)
 
 
 if __name__ == "__main__":

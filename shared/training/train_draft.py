@@ -554,7 +554,8 @@ def chain_preference(trainee: Trainee, batch: Batch) -> torch.Tensor:
     """[B, M] the on-policy stage's preference for each entry as a root (DFLASH: anchor):
     K + 1 - the length of the drafter's greedy chain from it, K its steps (see
     `eagle_trainer.py`)."""
-    correct, _ = trainee.loss(batch, Roots()).per_entry()
+    with torch.no_grad():  # a probe: no graph to keep
+        correct, _ = trainee.loss(batch, Roots()).per_entry()
     chain = correct.int().cumprod(dim=1).sum(dim=1)
     return (correct.shape[1] + 1 - chain).float().view(len(batch.ids), -1)
 
