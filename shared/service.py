@@ -37,6 +37,7 @@ import nats
 from prometheus_client.exposition import MetricsHandler
 from specmesh.shared.bus import Bus, NatsAuth
 from specmesh.shared.config import HelpFormatter, add_dataclass_args, dataclass_from_args, option
+from specmesh.shared.core.recent import RecentIds
 from specmesh.shared.cores import CoresConfig, place_process
 from specmesh.shared.logs import LogConfig, configure_logging
 from specmesh.shared.protocol import (
@@ -120,32 +121,12 @@ class _MetricsHandler(MetricsHandler):
         self.wfile.write(body)
 
 
-class RecentIds:
-    """Request ids seen in the last `seconds`: news of a request that may still be
-    overtaken by, or overtake, other news of it (NATS keeps order per subject, not
-    across them)."""
-
-    def __init__(self, seconds: float = 300.0) -> None:
-        self.seconds = seconds
-        self._ids: dict[str, float] = {}  # insertion order is time order
-
-    def add(self, request_id: str) -> None:
-        now = time.monotonic()
-        self._ids.pop(request_id, None)
-        self._ids[request_id] = now
-        while self._ids[oldest := next(iter(self._ids))] < now - self.seconds:
-            del self._ids[oldest]
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._ids
-
-
 class RecentAborts(RecentIds):
     """Request ids aborted lately. An abort can overtake the message that would start
     the request here; a service checks this before it starts anything."""
 
     def check(self, request_id: str) -> None:
-        if request_id in self._ids:
+        if request_id in self:
             raise ValueError(f"request {request_id} was aborted")
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specmesh.shared.core.recent import RecentIds
 from specmesh.shared.protocol import TextDelta, TokenBatch, TokenLogprob
-from specmesh.shared.service import RecentIds
 from specmesh.shared.tokenizer import TextStream, Tokenizer
 
 
