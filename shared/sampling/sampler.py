@@ -132,9 +132,9 @@ def _best(
     """Each row's k best logits and their ids [B, k] in stable descending order, the log
     of its top_k-truncated softmax's denominator [B, 1], and [B] whether the row must be
     sorted whole instead: it keeps more than its k best (too little mass in them for its
-    top_p, and min_p keeping more), or a tie crosses the k-th place (topk keeps any of
-    the tied). k: the largest top_k, at least CANDIDATES where a row has none; None
-    where k is near V."""
+    top_p, and min_p keeping the next best too), or a tie crosses the k-th place (the
+    next best equals the k-th: topk keeps any of the tied). k: the largest top_k, at
+    least CANDIDATES where a row has none; None where k is near V."""
     vocab = logits.shape[-1]
     bounded = top_k < vocab
     k = int(top_k[bounded].max()) if bounded.any() else 0
@@ -142,11 +142,11 @@ def _best(
         k = max(k, CANDIDATES)
     if 8 * k > vocab:
         return None
-    values, ids = logits.topk(k, dim=-1)  # descending, ties in no set order
+    values, ids = logits.topk(k + 1, dim=-1)  # descending, ties in no set order
+    next_best, values, ids = values[:, k:], values[:, :k], ids[:, :k]  # [B, 1], [B, k]
     ids, by_id = ids.sort(dim=-1)
     values, by_value = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
-    last = values[:, -1:]
-    tied_out = ((logits == last).sum(-1) > (values == last).sum(-1)) & (last[:, 0] > -math.inf)
+    tied_out = ((next_best == values[:, -1:]) & (next_best > -math.inf))[:, 0]
     in_top_k = torch.arange(k, device=logits.device)[None, :] < top_k[:, None]
     log_total = torch.where(
         bounded[:, None],
@@ -155,8 +155,7 @@ def _best(
     )
     # A margin over top_p: summed in another order than `_kept`'s cumsum.
     mass = (values - log_total).exp().sum(-1, keepdim=True)
-    kept_by_min_p = (logits >= min_logit).sum(-1, keepdim=True)
-    covered = (bounded[:, None] | (mass >= top_p + 1e-5) | (kept_by_min_p <= k))[:, 0]
+    covered = (bounded[:, None] | (mass >= top_p + 1e-5) | (next_best < min_logit))[:, 0]
     return values, ids.gather(-1, by_value), log_total, tied_out | ~covered
 
 
