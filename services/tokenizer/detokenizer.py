@@ -54,9 +54,9 @@ class Detokenizer:
         """The tokens so far of a request that moved to its `attempt`-th placement; None if
         it finished here (its last text is on its way)."""
         output = self.outputs.get(request_id)
-        if output is None and request_id in self.finished:
-            return None
         if output is None:
+            if request_id in self.finished:
+                return None
             raise ValueError(f"request {request_id} is not detokenized here")
         output.attempt = attempt
         return output.token_ids
