@@ -3,8 +3,8 @@ EAGLE-3, NEXTN, DFLASH.
 
     python benchmarks/bench_drafters.py [--model DIR] [--new-tokens 96] [--runs 3]
         [--standalone-draft DIR] [--eagle-head DIR] [--eagle3-head DIR] [--nextn-layer DIR]
-        [--dflash-draft DIR] [--setups none,NGRAM,EAGLE3,NEXTN,DFLASH]
-        [--temperature 0.7]
+        [--dflash-draft DIR] [--setups none,NGRAM,EAGLE3,NEXTN@3/2/6,DFLASH]
+        [--sets chat,copy] [--temperature 0.7]
 
 Each setup is its own `specmesh up` (five services, shm transport), one request at a
 time (concurrency 1), greedy. Two prompt sets: `chat`, the held-out chat prompts
@@ -18,7 +18,11 @@ A setup
 without its drafter option uses the drafter that ships for the default model (a setup
 with neither is skipped). Every output is
 checked to equal the output without speculation (with `--temperature` > 0 each
-request is seeded, and seeded draws do not depend on speculation).
+request is seeded, and seeded draws do not depend on speculation). A setup
+`NAME@STEPS/TOPK/TOKENS` drafts that fixed shape (`--speculative-num-steps`,
+`--speculative-eagle-topk`, `--speculative-num-draft-tokens`, and
+`--no-speculative-adaptive`: every step verifies all its drafts); a bare name takes
+the defaults and adaptive budgets.
 """
 
 from __future__ import annotations
@@ -74,17 +78,28 @@ def run_set(
     }
 
 
-def run_setup(model: Path, args: list[str], new_tokens: int, temperature: float) -> dict[str, dict]:
+def run_setup(
+    model: Path, args: list[str], sets: list[str], new_tokens: int, temperature: float
+) -> dict[str, dict]:
     with (
         start_nats() as bus,
         specmesh_up(model, *args, "--nats-url", bus.url) as url,
         httpx.Client(timeout=900) as client,
     ):
         run_set(client, url, ["Say hello.", "Count to five."], 16, temperature)  # warm-up
-        return {
-            name: run_set(client, url, prompts, new_tokens, temperature)
-            for name, prompts in SETS.items()
-        }
+        return {name: run_set(client, url, SETS[name], new_tokens, temperature) for name in sets}
+
+
+def shape_args(shape: str) -> list[str]:
+    """`STEPS/TOPK/TOKENS` as the options that fix the draft shape."""
+    values = shape.split("/")
+    if len(values) != 3 or not all(v.isdigit() for v in values):
+        raise SystemExit(f"a draft shape is STEPS/TOPK/TOKENS, got {shape!r}")
+    names = ("num-steps", "eagle-topk", "num-draft-tokens")
+    pairs = zip(names, values, strict=True)
+    return [arg for name, v in pairs for arg in (f"--speculative-{name}", v)] + [
+        "--no-speculative-adaptive"
+    ]
 
 
 def main() -> None:
@@ -102,20 +117,31 @@ def main() -> None:
     for algorithm, flag in drafters.items():
         parser.add_argument(flag, default=None, help=f"{algorithm} drafter (default: shipped)")
     parser.add_argument("--setups", default="none,NGRAM,STANDALONE,EAGLE,EAGLE3,NEXTN,DFLASH")
+    parser.add_argument("--sets", default=",".join(SETS), help="prompt sets: chat, copy")
     parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()
+    sets = args.sets.split(",")
+    if not sets or not set(sets) <= set(SETS):
+        raise SystemExit(f"--sets takes {', '.join(SETS)}, got {args.sets!r}")
     model = Path(args.model) if args.model else fetch_default_model()
     heads = {a: getattr(args, f.removeprefix("--").replace("-", "_")) for a, f in drafters.items()}
     setups = {}
     for name in args.setups.split(","):
+        algorithm, _, shape = name.partition("@")
         if name == "none":
             setups[name] = []
-        elif name in heads and not heads[name] and not shipped_drafter(str(model), name):
-            print(f"skipping {name}: no {drafters[name]} given and none ships")
+        elif (
+            algorithm in heads
+            and not heads[algorithm]
+            and not shipped_drafter(str(model), algorithm)
+        ):
+            print(f"skipping {name}: no {drafters[algorithm]} given and none ships")
         else:
-            setups[name] = ["--speculative-algorithm", name]
-            if heads.get(name):
-                setups[name] += ["--speculative-draft-model-path", heads[name]]
+            setups[name] = ["--speculative-algorithm", algorithm]
+            if heads.get(algorithm):
+                setups[name] += ["--speculative-draft-model-path", heads[algorithm]]
+            if shape:
+                setups[name] += shape_args(shape)
     spec = SpeculativeConfig(speculative_algorithm="NGRAM")  # budgets up to 7 drafts
     costs = LLMEngine(EngineConfig(model=str(model), kv_cache_gb=0.25), spec).speculator.costs
     curve = "  ".join(f"{k}: {t / costs.verify[0]:.2f}" for k, t in enumerate(costs.verify))
@@ -123,7 +149,7 @@ def main() -> None:
     results: dict[tuple[str, str], list[dict]] = {}
     for run in range(args.runs):
         for name, up in setups.items():
-            outcome = run_setup(model, up, args.new_tokens, args.temperature)
+            outcome = run_setup(model, up, sets, args.new_tokens, args.temperature)
             for set_name, result in outcome.items():
                 results.setdefault((name, set_name), []).append(result)
                 reference = results.get(("none", set_name), [result])[-1]["texts"]
@@ -132,7 +158,7 @@ def main() -> None:
             line = "  ".join(
                 f"{s} {results[(name, s)][-1]['rate']:.1f} tok/s "
                 f"(accept {results[(name, s)][-1]['accept']:.2f})"
-                for s in SETS
+                for s in sets
             )
             print(f"run {run + 1} {name}: {line}", flush=True)
 
@@ -146,14 +172,14 @@ def main() -> None:
     print(
         f"\nconcurrency 1, {sampling}, up to {args.new_tokens} tokens, medians of {args.runs} runs"
     )
-    print(f"{'setup':<12}{'set':<6}{'tok/s':>8}{'accept':>8}{'vs none':>9}{'vs NGRAM':>10}")
+    print(f"{'setup':<16}{'set':<6}{'tok/s':>8}{'accept':>8}{'vs none':>9}{'vs NGRAM':>10}")
     for name in setups:
-        for set_name in SETS:
+        for set_name in sets:
             rs = results[(name, set_name)]
             rate = statistics.median(r["rate"] for r in rs)
             accept = statistics.median(r["accept"] for r in rs)
             print(
-                f"{name:<12}{set_name:<6}{rate:>8.1f}{accept:>8.2f}"
+                f"{name:<16}{set_name:<6}{rate:>8.1f}{accept:>8.2f}"
                 f"{ratio(name, 'none', set_name):>9}{ratio(name, 'NGRAM', set_name):>10}"
             )
 

@@ -53,7 +53,9 @@ class DraftSweepConfig:
     num_steps: str = option("1,2,3,5", "--speculative-num-steps values (model drafters)")
     topk: str = option("1,2", "--speculative-eagle-topk values (chain-only algorithms: 1)")
     num_draft_tokens: str = option(
-        "4,8", "--speculative-num-draft-tokens values (NGRAM; DFLASH: block sizes)"
+        "4,8",
+        "--speculative-num-draft-tokens values (NGRAM; DFLASH: block sizes; trees: the best "
+        "of each tree's nodes, at most all of them)",
     )
     workloads: str = option(
         DEFAULT_WORKLOADS,
@@ -68,11 +70,14 @@ class DraftSweepConfig:
         if algorithm in ("NGRAM", "DFLASH"):  # a chain of tokens - 1 drafts per step
             return [(t - 1, 1, t) for t in _ints(self.num_draft_tokens, "num-draft-tokens")]
         topks = [1] if algorithm in CHAIN_ONLY else _ints(self.topk, "topk")
-        return [
-            (s, k, s + 1 if k == 1 else min(s * k, 15) + 1)
+        tokens = _ints(self.num_draft_tokens, "num-draft-tokens")
+        shapes = [
+            (s, k, s + 1 if k == 1 else min(t, s * k + 1))
             for s in _ints(self.num_steps, "num-steps")
             for k in topks
+            for t in tokens
         ]
+        return list(dict.fromkeys(shapes))
 
     def prompt_sets(self) -> dict[str, list[str]]:
         sets = {}

@@ -41,9 +41,11 @@ def test_the_sweep_measures_every_shape_against_plain_decoding(
 
 
 def test_shapes_follow_each_algorithm_and_bad_options_fail_clearly(tmp_path: Path) -> None:
-    cfg = DraftSweepConfig(num_steps="2,3", topk="1,2")
-    assert cfg.grid("NEXTN") == [(2, 1, 3), (3, 1, 4)]  # chain only
-    assert cfg.grid("EAGLE3") == [(2, 1, 3), (2, 2, 5), (3, 1, 4), (3, 2, 7)]
+    cfg = DraftSweepConfig(num_steps="2,3", topk="1,2", num_draft_tokens="4,8")
+    assert cfg.grid("DFLASH") == [(3, 1, 4), (7, 1, 8)]  # chain only: blocks
+    # a tree keeps its best 3 drafts, or all it grew
+    trees = [(2, 1, 3), (2, 2, 4), (2, 2, 5), (3, 1, 4), (3, 2, 4), (3, 2, 7)]
+    assert cfg.grid("EAGLE3") == cfg.grid("NEXTN") == trees
     with pytest.raises(ValueError, match="comma-separated integers"):
         DraftSweepConfig(num_steps="two").grid("EAGLE3")
     with pytest.raises(ValueError, match="--workloads chat"):

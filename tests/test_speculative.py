@@ -313,16 +313,6 @@ def test_lossy_thresholds_accept_more_and_stay_seeded() -> None:
         ),
         ({"speculative_algorithm": "NGRAM", "speculative_token_map": "x.json"}, "NGRAM has"),
         ({"speculative_algorithm": "EAGLE3"}, "ships trained heads for SmolLM2"),
-        (
-            {
-                "speculative_algorithm": "MTP",
-                "speculative_draft_model_path": "x",
-                "speculative_num_steps": 3,
-                "speculative_eagle_topk": 2,
-                "speculative_num_draft_tokens": 5,
-            },
-            "NEXTN drafts a chain: --speculative-eagle-topk must be 1",
-        ),
     ],
 )
 def test_invalid_option_combinations_fail_clearly(spec: dict[str, object], message: str) -> None:
@@ -465,11 +455,20 @@ def write_mtp_target(path: Path, smollm_dir: Path, seed: int = 0) -> Path:
     return path
 
 
+@pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
 def test_nextn_drafts_from_the_targets_own_mtp_layer_losslessly(
-    smollm_dir: Path, tmp_path: Path, prompt_ids: list[list[int]], reference: list[list[int]]
+    topk: int,
+    smollm_dir: Path,
+    tmp_path: Path,
+    prompt_ids: list[list[int]],
+    reference: list[list[int]],
 ) -> None:
+    """The layer reapplied to its own output drafts a chain, or a tree as EAGLE's heads do
+    (SGLang runs NEXTN as EAGLE, any topk)."""
     target = write_mtp_target(tmp_path / "target", smollm_dir)
-    engine = spec_engine(target, speculative_algorithm="NEXTN")  # no draft path: the target's
+    tree = {"speculative_num_steps": 3, "speculative_num_draft_tokens": 6} if topk > 1 else {}
+    # no draft path: the target's own layer
+    engine = spec_engine(target, speculative_algorithm="NEXTN", speculative_eagle_topk=topk, **tree)
     drafter = engine.speculator.drafter
     assert drafter.head.mtp and drafter.target_features == ((29,), True)
     assert [engine.generate([ids], GREEDY)[0] for ids in prompt_ids] == reference

@@ -580,13 +580,9 @@ def test_specmesh_up_refuses_a_bad_head_before_starting(
     ("args", "message"),
     [
         (["--speculative-algorithm", "NEXTN"], "has no MTP layers"),
-        (
-            ["--speculative-algorithm", "MTP", "--speculative-eagle-topk", "2"],
-            "NEXTN drafts a chain: --speculative-eagle-topk must be 1",
-        ),
         (["--overlap"], "--overlap overlaps drafting with verification"),
     ],
-    ids=["nextn-without-mtp-layers", "nextn-topk", "overlap-without-speculation"],
+    ids=["nextn-without-mtp-layers", "overlap-without-speculation"],
 )
 def test_specmesh_up_refuses_bad_speculation_before_starting(
     args: list[str], message: str, smollm_dir: Path, tmp_path: Path

@@ -11,7 +11,7 @@ from specmesh.shared.config import DEFAULT_MODEL_NAME, QUANTIZATIONS, QUANTIZED_
 ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN", "DFLASH")
 ALIASES = {"MTP": "NEXTN"}  # SGLang's names for the same algorithm
 # Drafters that grow one chain: a draft step's top-1 only (SGLang: topk 1).
-CHAIN_ONLY = ("NEXTN", "DFLASH")
+CHAIN_ONLY = ("DFLASH",)
 # Drafters a learner trains from served traffic (their weights swap while serving).
 ONLINE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "DFLASH", "STANDALONE")
 
