@@ -203,3 +203,34 @@ def test_the_pool_survives_a_fork_and_a_busy_neighbour() -> None:
         [sys.executable, "-c", POOL_SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr
+
+
+BACK_TO_BACK_SCRIPT = """
+import time, torch
+from specmesh.kernels.cpu import load
+kernel = load()
+kernel.set_num_threads(8)
+x = torch.randn(1, 32)
+blocked = [(n, kernel.block_weight(torch.randn(n, 32))) for n in (27 * 16, 36 * 16)]
+end = time.perf_counter() + 3
+while time.perf_counter() < end:
+    for n, weight in blocked:  # 27 jobs, then 36
+        kernel.blocked_linear(x, weight, n, torch.empty(0), None)
+"""
+
+
+@pytest.mark.unit
+@needs_kernels
+def test_regions_back_to_back_never_run_a_job_twice() -> None:
+    """Eight threads on fewer cores are preempted anywhere, also in the middle of a claim
+    on the region just ended while the caller opens a larger one: such a claim must fail,
+    or it runs jobs of the new region twice and the caller waits for a count it never
+    reaches (a hang, within seconds, before the pool closed a region first)."""
+    out = subprocess.run(
+        [sys.executable, "-c", BACK_TO_BACK_SCRIPT],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr

@@ -29,6 +29,9 @@ constexpr auto CALLER_SPIN = std::chrono::microseconds(50);
 // A claim takes 1 / (GUIDED * threads) of the jobs left.
 constexpr int64_t GUIDED = 2;
 
+// The next job of a region not open yet: past any region's jobs.
+constexpr uint64_t CLOSED = 0xFFFFFFFF;
+
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, nullptr,
           nullptr, 0);
@@ -68,12 +71,16 @@ class Pool {
   }
 
   void run(int64_t jobs, const Job& fn) {
-    // A new region: its function and sizes first, then `claims` (generation, next job 0)
-    // publishes them. The previous region is complete, so no worker is still reading them.
-    fn_.store(&fn, std::memory_order_relaxed);
-    jobs_.store(jobs, std::memory_order_relaxed);
-    done_.store(0, std::memory_order_relaxed);
+    // A new region. A worker may still be in claim_all with the last region's claims, and
+    // read the function and sizes stored here next to them: a claim it made on those would
+    // run jobs of this region twice. So the new generation goes up first, closed (no job
+    // left), and a worker that reads the new function or sizes (acquire) sees it and fails
+    // its claim; opening the generation (next job 0) then publishes them.
     const uint64_t generation = (claims_.load(std::memory_order_relaxed) >> 32) + 1;
+    claims_.store(generation << 32 | CLOSED, std::memory_order_relaxed);
+    fn_.store(&fn, std::memory_order_release);
+    jobs_.store(jobs, std::memory_order_release);
+    done_.store(0, std::memory_order_relaxed);
     claims_.store(generation << 32, std::memory_order_release);
     region_.fetch_add(1);  // seq_cst, paired with the workers' `sleeping_` (no lost wake-up)
     if (sleeping_.load() > 0) futex_wake_all(&region_);
@@ -88,8 +95,8 @@ class Pool {
   void claim_all() {
     for (;;) {
       uint64_t claim = claims_.load(std::memory_order_acquire);
-      const Job* fn = fn_.load(std::memory_order_relaxed);
-      const int64_t jobs = jobs_.load(std::memory_order_relaxed);
+      const Job* fn = fn_.load(std::memory_order_acquire);
+      const int64_t jobs = jobs_.load(std::memory_order_acquire);
       const int64_t first = static_cast<uint32_t>(claim);
       if (first >= jobs) return;
       // Guided: a share of what is left, so claims are few while much is left and small
