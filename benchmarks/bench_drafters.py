@@ -19,10 +19,10 @@ without its drafter option uses the drafter that ships for the default model (a 
 with neither is skipped). Every output is
 checked to equal the output without speculation (with `--temperature` > 0 each
 request is seeded, and seeded draws do not depend on speculation). A setup
-`NAME@STEPS/TOPK/TOKENS` drafts that fixed shape (`--speculative-num-steps`,
-`--speculative-eagle-topk`, `--speculative-num-draft-tokens`, and
+`NAME@STEPS/TOPK/TOKENS` drafts that shape (`--speculative-num-steps`,
+`--speculative-eagle-topk`, `--speculative-num-draft-tokens`; with `--fixed`, also
 `--no-speculative-adaptive`: every step verifies all its drafts); a bare name takes
-the defaults and adaptive budgets.
+the defaults.
 """
 
 from __future__ import annotations
@@ -90,16 +90,15 @@ def run_setup(
         return {name: run_set(client, url, SETS[name], new_tokens, temperature) for name in sets}
 
 
-def shape_args(shape: str) -> list[str]:
-    """`STEPS/TOPK/TOKENS` as the options that fix the draft shape."""
+def shape_args(shape: str, fixed: bool) -> list[str]:
+    """`STEPS/TOPK/TOKENS` as the draft-shape options; `fixed`: no adaptive budget."""
     values = shape.split("/")
     if len(values) != 3 or not all(v.isdigit() for v in values):
         raise SystemExit(f"a draft shape is STEPS/TOPK/TOKENS, got {shape!r}")
     names = ("num-steps", "eagle-topk", "num-draft-tokens")
     pairs = zip(names, values, strict=True)
-    return [arg for name, v in pairs for arg in (f"--speculative-{name}", v)] + [
-        "--no-speculative-adaptive"
-    ]
+    adaptive = ["--no-speculative-adaptive"] if fixed else []
+    return [arg for name, v in pairs for arg in (f"--speculative-{name}", v)] + adaptive
 
 
 def main() -> None:
@@ -118,6 +117,9 @@ def main() -> None:
         parser.add_argument(flag, default=None, help=f"{algorithm} drafter (default: shipped)")
     parser.add_argument("--setups", default="none,NGRAM,STANDALONE,EAGLE,EAGLE3,NEXTN,DFLASH")
     parser.add_argument("--sets", default=",".join(SETS), help="prompt sets: chat, copy")
+    parser.add_argument(
+        "--fixed", action="store_true", help="shaped setups verify every draft (budgets off)"
+    )
     parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()
     sets = args.sets.split(",")
@@ -141,7 +143,7 @@ def main() -> None:
             if heads.get(algorithm):
                 setups[name] += ["--speculative-draft-model-path", heads[algorithm]]
             if shape:
-                setups[name] += shape_args(shape)
+                setups[name] += shape_args(shape, args.fixed)
     spec = SpeculativeConfig(speculative_algorithm="NGRAM")  # budgets up to 7 drafts
     costs = LLMEngine(EngineConfig(model=str(model), kv_cache_gb=0.25), spec).speculator.costs
     curve = "  ".join(f"{k}: {t / costs.verify[0]:.2f}" for k, t in enumerate(costs.verify))

@@ -523,3 +523,13 @@ def test_draft_budgets_follow_measured_costs_and_acceptance() -> None:
     assert best_budget(0.2, steep, 8) == 1  # costly and rarely accepted: one draft
     assert 1 < best_budget(0.8, steep, 8) < 8
     assert best_budget(0.9, StepCosts(verify=[1.0] * 9, draft=0.5), 8) < 8  # drafting costs
+
+
+def test_the_verify_cost_curve_is_measured_per_draft_count_and_never_falls(
+    tmp_path: Path,
+) -> None:
+    target = tiny_llama(tmp_path / "target", vocab=64, seed=0)
+    engine = spec_engine(target, speculative_algorithm="NGRAM", speculative_num_draft_tokens=6)
+    curve = engine.speculator.costs.verify
+    assert len(curve) == 6 and curve[0] > 0  # a plain step, then 1..5 drafts
+    assert all(a <= b for a, b in zip(curve, curve[1:], strict=False))
