@@ -54,8 +54,8 @@ class DraftSweepConfig:
     topk: str = option("1,2", "--speculative-eagle-topk values (chain-only algorithms: 1)")
     num_draft_tokens: str = option(
         "4,8",
-        "--speculative-num-draft-tokens values (NGRAM; DFLASH: block sizes; trees: the best "
-        "of each tree's nodes, at most all of them)",
+        "--speculative-num-draft-tokens values (NGRAM; DFLASH: block sizes; a tree verifies "
+        "that many of its best nodes, root included, at most all it grows)",
     )
     workloads: str = option(
         DEFAULT_WORKLOADS,
