@@ -466,9 +466,10 @@ def test_nextn_drafts_from_the_targets_own_mtp_layer_losslessly(
     """The layer reapplied to its own output drafts a chain, or a tree as EAGLE's heads do
     (SGLang runs NEXTN as EAGLE, any topk)."""
     target = write_mtp_target(tmp_path / "target", smollm_dir)
-    tree = {"speculative_num_steps": 3, "speculative_num_draft_tokens": 6} if topk > 1 else {}
+    tree = {"speculative_num_steps": 3, "speculative_eagle_topk": topk}
+    shape = {**tree, "speculative_num_draft_tokens": 6} if topk > 1 else {}  # chain: the default
     # no draft path: the target's own layer
-    engine = spec_engine(target, speculative_algorithm="NEXTN", speculative_eagle_topk=topk, **tree)
+    engine = spec_engine(target, speculative_algorithm="NEXTN", **shape)
     drafter = engine.speculator.drafter
     assert drafter.head.mtp and drafter.target_features == ((29,), True)
     assert [engine.generate([ids], GREEDY)[0] for ids in prompt_ids] == reference
