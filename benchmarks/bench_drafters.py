@@ -4,7 +4,7 @@ EAGLE-3, NEXTN, DFLASH.
     python benchmarks/bench_drafters.py [--model DIR] [--new-tokens 96] [--runs 3]
         [--standalone-draft DIR] [--eagle-head DIR] [--eagle3-head DIR] [--nextn-layer DIR]
         [--dflash-draft DIR] [--setups none,NGRAM,EAGLE3,NEXTN@3/2/6,DFLASH]
-        [--sets chat,copy] [--temperature 0.7]
+        [--sets chat,copy] [--fixed] [--draft-quantization int8] [--temperature 0.7]
 
 Each setup is its own `specmesh up` (five services, shm transport), one request at a
 time (concurrency 1), greedy. Two prompt sets: `chat`, the held-out chat prompts
@@ -120,6 +120,9 @@ def main() -> None:
     parser.add_argument(
         "--fixed", action="store_true", help="shaped setups verify every draft (budgets off)"
     )
+    parser.add_argument(
+        "--draft-quantization", default=None, help="model drafters' weights (int8, int4, bf16)"
+    )
     parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()
     sets = args.sets.split(",")
@@ -144,6 +147,8 @@ def main() -> None:
                 setups[name] += ["--speculative-draft-model-path", heads[algorithm]]
             if shape:
                 setups[name] += shape_args(shape, args.fixed)
+            if args.draft_quantization and algorithm != "NGRAM":
+                setups[name] += ["--speculative-draft-model-quantization", args.draft_quantization]
     spec = SpeculativeConfig(speculative_algorithm="NGRAM")  # budgets up to 7 drafts
     costs = LLMEngine(EngineConfig(model=str(model), kv_cache_gb=0.25), spec).speculator.costs
     curve = "  ".join(f"{k}: {t / costs.verify[0]:.2f}" for k, t in enumerate(costs.verify))
