@@ -455,9 +455,12 @@ def write_mtp_target(path: Path, smollm_dir: Path, seed: int = 0) -> Path:
     return path
 
 
-@pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
+TREE = {"speculative_num_steps": 3, "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 6}
+
+
+@pytest.mark.parametrize("shape", [{}, TREE], ids=["chain", "tree"])  # {}: NEXTN's default
 def test_nextn_drafts_from_the_targets_own_mtp_layer_losslessly(
-    topk: int,
+    shape: dict[str, int],
     smollm_dir: Path,
     tmp_path: Path,
     prompt_ids: list[list[int]],
@@ -466,8 +469,6 @@ def test_nextn_drafts_from_the_targets_own_mtp_layer_losslessly(
     """The layer reapplied to its own output drafts a chain, or a tree as EAGLE's heads do
     (SGLang runs NEXTN as EAGLE, any topk)."""
     target = write_mtp_target(tmp_path / "target", smollm_dir)
-    tree = {"speculative_num_steps": 3, "speculative_eagle_topk": topk}
-    shape = {**tree, "speculative_num_draft_tokens": 6} if topk > 1 else {}  # chain: the default
     # no draft path: the target's own layer
     engine = spec_engine(target, speculative_algorithm="NEXTN", **shape)
     drafter = engine.speculator.drafter
