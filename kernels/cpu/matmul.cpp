@@ -24,6 +24,23 @@ constexpr int64_t JOB_ROWS = 48;
 // FMAs between loads keep the out-of-order window from reaching that far by itself.
 constexpr int64_t PREFETCH_K = 64;
 
+// The weight lines a tile requests ahead of its loads, one every `every` k. A block's only
+// tile requests its own lines PREFETCH_K ahead. A block of several tiles is read from
+// memory by its first tile and from cache by the rest, so its tiles share the next block's
+// lines between them: memory streams while every tile computes, not during the first alone.
+template <typename W>
+struct Ahead {
+  const W* line;
+  int64_t every, wait = 1;  // wait: k until the next request
+
+  __attribute__((always_inline)) void step() {
+    if (--wait) return;
+    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+    line += COLS;
+    wait = every;
+  }
+};
+
 // Where a tile's outputs go: `cols` valid columns of rows `ld` apart, plus optional
 // bias (per column) and residual (same layout as y) added on the way out.
 struct Target {
@@ -96,11 +113,11 @@ __attribute__((target("avx512f"))) inline __m512 load_line512(const uint16_t* w,
 
 // R rows of x [R, K] times one block w [K, 16] (W: float or bf16 bits).
 template <int R, typename W>
-void tile(const float* x, const W* w, int64_t K, const Target& t) {
+void tile(const float* x, const W* w, int64_t K, const Target& t, Ahead<W> ahead) {
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
          a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
   for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + (k + PREFETCH_K) * COLS), _MM_HINT_T0);
+    ahead.step();
     __m256 w0, w1;
     load_line(w, k, w0, w1);
     TILE_ROW(0) TILE_ROW(1) TILE_ROW(2) TILE_ROW(3) TILE_ROW(4) TILE_ROW(5)
@@ -119,11 +136,11 @@ void tile(const float* x, const W* w, int64_t K, const Target& t) {
 
 template <int R, typename W>
 __attribute__((target("avx512f"))) void tile512(const float* x, const W* w, int64_t K,
-                                                const Target& t) {
+                                                const Target& t, Ahead<W> ahead) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
          a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
   for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + (k + PREFETCH_K) * COLS), _MM_HINT_T0);
+    ahead.step();
     const __m512 wk = load_line512(w, k);
     TILE512_ROW(0) TILE512_ROW(1) TILE512_ROW(2) TILE512_ROW(3) TILE512_ROW(4) TILE512_ROW(5)
     TILE512_ROW(6) TILE512_ROW(7) TILE512_ROW(8) TILE512_ROW(9) TILE512_ROW(10) TILE512_ROW(11)
@@ -139,22 +156,26 @@ const int64_t TILE_ROWS = __builtin_cpu_supports("avx512f") ? 12 : 6;
 
 // The tile of exactly `rows` (1..R) rows.
 template <int R, typename W>
-void tile_rows(int64_t rows, const float* x, const W* w, int64_t K, const Target& t) {
+void tile_rows(int64_t rows, const float* x, const W* w, int64_t K, const Target& t,
+               Ahead<W> ahead) {
   if constexpr (R > 1)
-    if (rows < R) return tile_rows<R - 1>(rows, x, w, K, t);
-  if constexpr (R > 6) tile512<R>(x, w, K, t);
-  else tile<R>(x, w, K, t);
+    if (rows < R) return tile_rows<R - 1>(rows, x, w, K, t, ahead);
+  if constexpr (R > 6) tile512<R>(x, w, K, t, ahead);
+  else tile<R>(x, w, K, t, ahead);
 }
 
 // x [rows, K] times one 16-column block w [K, 16], in tiles of even sizes (8 rows: 4 + 4,
 // not 6 + 2: a tile of few rows has too few accumulators to keep both FMA units busy);
-// `t` addresses the first row's outputs.
+// `next` is the block likely multiplied after this one, `t` addresses the first row's
+// outputs.
 template <typename W>
-void block_rows(const float* x, int64_t rows, int64_t K, const W* w, Target t) {
+void block_rows(const float* x, int64_t rows, int64_t K, const W* w, const W* next, Target t) {
   const int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
   for (int64_t i = 0; i < tiles; ++i) {
     const int64_t tile = rows / tiles + (i < rows % tiles);
-    tile_rows<12>(tile, x, w, K, t);
+    const Ahead<W> ahead = tiles == 1 ? Ahead<W>{w + PREFETCH_K * COLS, 1}
+                                      : Ahead<W>{next + i * K / tiles * COLS, tiles};
+    tile_rows<12>(tile, x, w, K, t, ahead);
     x += tile * K;
     t.y += tile * t.ld;
     if (t.residual) t.residual += tile * t.ld;
@@ -175,7 +196,9 @@ void linear_blocks(const float* x, int64_t m, int64_t k, const W* w, int64_t blo
       const int64_t b = job / chunks, col = b * COLS, first = (job % chunks) * JOB_ROWS;
       Target t{y + first * n + col, bias ? bias + col : nullptr,
                residual ? residual + first * n + col : nullptr, n, std::min(COLS, n - col)};
-      block_rows(x + first * k, std::min(m, first + JOB_ROWS) - first, k, w + b * k * COLS, t);
+      const W* block = w + b * k * COLS;
+      block_rows(x + first * k, std::min(m, first + JOB_ROWS) - first, k, block, block + k * COLS,
+                 t);
     }
   });
 }
@@ -218,7 +241,9 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& blocke
 
 void matmul_rows(const float* x, int64_t rows, int64_t k, const float* w, int64_t block_stride,
                  int64_t n, float* y, int64_t ld, bool accumulate) {
-  for (int64_t col = 0; col < n; col += COLS)
-    block_rows(x, rows, k, w + col / COLS * block_stride,
+  for (int64_t col = 0; col < n; col += COLS) {
+    const float* block = w + col / COLS * block_stride;
+    block_rows(x, rows, k, block, block + block_stride,
                {y + col, nullptr, accumulate ? y + col : nullptr, ld, std::min(COLS, n - col)});
+  }
 }
