@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -45,6 +46,7 @@ from specmesh.shared.training.train_draft import (
     gather_samples,
     split_heldout,
     train_draft,
+    with_draft_vocab,
 )
 
 HELDOUT = Path(__file__).parents[1] / "benchmarks" / "prompts" / "chat_heldout.json"
@@ -294,6 +296,45 @@ def test_views_read_per_batch_equal_views_loaded_up_front(trained: tuple[Path, P
     assert len(corpus.samples) == 96 and len(chunks) == 1
 
 
+def test_the_targets_choices_are_kept_for_the_next_run_on_the_same_samples(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    target_dir, head = trained
+    cfg = tiny_config(target_dir, head.parent)
+    target, corpus, views = corpus_views(cfg, 96)
+    layers = feature_layers(cfg, target.config.num_layers)
+    kept = tmp_path / "choices.pt"
+
+    def views_of(n: int) -> TargetViews:
+        columns = (corpus.samples, corpus.captures, corpus.greedy)
+        return TargetViews(target, *(c[:n] for c in columns), *layers, kept)
+
+    first = views_of(96)
+    assert kept.is_file() and all(map(torch.equal, first.argmax, views.argmax))
+    with patch.object(TargetViews, "_choices", side_effect=AssertionError("computed again")):
+        again = views_of(96)  # read back: nothing is computed
+        with pytest.raises(AssertionError, match="computed again"):
+            views_of(95)  # other samples: the kept choices are not theirs
+    assert all(map(torch.equal, again.argmax, views.argmax))
+
+
+def test_a_reselected_vocabulary_keeps_the_rows_of_ids_the_head_had(
+    trained: tuple[Path, Path],
+) -> None:
+    target_dir, head_dir = trained
+    target = load_model(target_dir, torch.device("cpu"), torch.float32)
+    head, _, _ = load_head(head_dir, "EAGLE3", target)
+    old_ids, old_rows = head.draft_ids.tolist(), head.lm_head.weight.detach().clone()
+    unused = sorted(set(range(target.config.vocab_size)) - set(old_ids))
+    new_ids = torch.tensor(sorted(old_ids[::2] + unused[:300]))
+    head = with_draft_vocab(head, new_ids, target)
+    assert torch.equal(head.draft_ids, new_ids)
+    for row, token in enumerate(new_ids.tolist()):
+        had = token in old_ids
+        want = old_rows[old_ids.index(token)] if had else target.lm_head.weight[token]
+        assert torch.equal(head.lm_head.weight[row], want), (row, token, had)
+
+
 def test_greedy_and_sampled_answers_train_one_drafter(
     trained: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -454,6 +495,14 @@ def test_init_refuses_a_drafter_that_does_not_fit(tiny: Path, tmp_path: Path) ->
             "give --draft-layers 4 --draft-hidden-size 160",
         ),
         ({"init": str(tmp_path)}, "no config.json"),
+        (
+            {
+                "init": str(HEADS_DIR / "SmolLM2-135M-Instruct-NEXTN"),
+                "algorithm": "NEXTN",
+                "reselect_vocab": True,
+            },
+            "--reselect-vocab needs --algorithm EAGLE3 and an --init head",
+        ),
     ]
     for changes, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):

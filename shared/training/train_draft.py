@@ -28,6 +28,7 @@ from specmesh.shared.config import model_option, option, resolve_device
 from specmesh.shared.engine.engine import EngineConfig, LLMEngine
 from specmesh.shared.model.config import ModelConfig
 from specmesh.shared.model.fetch import resolve_model
+from specmesh.shared.model.layers import Linear
 from specmesh.shared.model.llama import LlamaForCausalLM
 from specmesh.shared.model.loader import load_model, save_model
 from specmesh.shared.speculative.config import HOT_TOKENS
@@ -138,6 +139,12 @@ class TrainDraftConfig:
         "one: of --algorithm, fitting the target and the shape options; its vocabulary "
         "(EAGLE-3's d2t, the others' hot_tokens.json) is kept",
     )
+    reselect_vocab: bool = option(
+        False,
+        "EAGLE-3 with --init: choose the draft vocabulary again from this run's data (the "
+        "--draft-vocab-size targets it chooses most) instead of keeping the head's; the ids "
+        "the head had keep their LM-head rows, new ones start from the target's LM head",
+    )
     epochs: float = option(2.0, "passes over the training data")
     on_policy_epochs: float = option(
         0.0,
@@ -172,6 +179,8 @@ class TrainDraftConfig:
             raise ValueError(f"--self-prompts must be >= 0, got {self.self_prompts}")
         if self.exclude:
             read_prompt_list(Path(self.exclude))  # a bad file fails before anything loads
+        if self.reselect_vocab and (self.algorithm != "EAGLE3" or not self.init):
+            raise ValueError("--reselect-vocab needs --algorithm EAGLE3 and an --init head")
         if self.block_size < 2 or self.draft_layers < 1:
             raise ValueError("--block-size must be >= 2 and --draft-layers >= 1")
         if self.draft_hidden_size is not None and self.draft_hidden_size < 1:
@@ -384,10 +393,11 @@ def check_init(
                 f"--init {path} reads target layers {list(spec.target_features[0])}; the "
                 f"training data keeps {list(layers)}"
             )
-        if cfg.algorithm == "EAGLE3" and spec.draft_vocab != cfg.draft_vocab_size:
+        resized = cfg.algorithm == "EAGLE3" and spec.draft_vocab != cfg.draft_vocab_size
+        if resized and not cfg.reselect_vocab:
             raise ValueError(
                 f"--init {path} has a draft vocabulary of {spec.draft_vocab}; give "
-                f"--draft-vocab-size {spec.draft_vocab}"
+                f"--draft-vocab-size {spec.draft_vocab}, or --reselect-vocab"
             )
     hot = path / HOT_TOKENS
     if hot.is_file() and len(ids := json.loads(hot.read_text())) != cfg.draft_vocab_size:
@@ -423,6 +433,27 @@ def kept_vocab(
         return init.draft_ids.cpu()
     hot = Path(cfg.init) / HOT_TOKENS
     return load_token_map(str(hot), vocab) if hot.is_file() else None
+
+
+@torch.no_grad()
+def with_draft_vocab(
+    head: EagleHead, draft_ids: torch.Tensor, target: LlamaForCausalLM
+) -> EagleHead:
+    """The EAGLE-3 `head` drafting over `draft_ids` (ascending target ids) instead of its
+    own vocabulary: an id it had keeps its LM-head row, a new one starts from the target's
+    row (as in a new head)."""
+    device = head.d2t.device
+    draft_ids = draft_ids.to(device)
+    row_of = torch.full((target.config.vocab_size,), -1, dtype=torch.long, device=device)
+    row_of[head.draft_ids] = torch.arange(len(head.d2t), device=device)
+    kept = row_of[draft_ids]
+    had = kept >= 0
+    rows = target.lm_head.weight[draft_ids].clone()
+    rows[had] = head.lm_head.weight[kept[had]]
+    head.lm_head = Linear(rows.shape[1], len(draft_ids), bias=False).to(device)
+    head.lm_head.weight.copy_(rows)
+    head.d2t = draft_ids - torch.arange(len(draft_ids), device=device)
+    return head
 
 
 def new_head(
@@ -612,9 +643,10 @@ def prepare_run(
     held, train = split_heldout(corpus.prompts, cfg.heldout, cfg.seed)
     device = resolve_device(cfg.device)
     target = load_model(target_dir, device, torch.float32).requires_grad_(False)
-    views = TargetViews(target, samples, corpus.captures, corpus.greedy, *features)
+    choices = Path(cfg.out) / "data" / "choices.pt"
+    views = TargetViews(target, samples, corpus.captures, corpus.greedy, *features, choices)
     init = load_init(cfg, target) if cfg.init else None
-    frequent = kept_vocab(cfg, init, target.config.vocab_size)
+    frequent = None if cfg.reselect_vocab else kept_vocab(cfg, init, target.config.vocab_size)
     if frequent is None:
         frequent = draft_vocab(
             [samples[i] for i in train],
@@ -622,6 +654,8 @@ def prepare_run(
             cfg.draft_vocab_size,
             target.config.vocab_size,
         )
+    if cfg.reselect_vocab and isinstance(init, EagleHead):  # `checked` made sure it is
+        init = with_draft_vocab(init, frequent, target)
     if cfg.algorithm == "DFLASH":
         trainee = dflash_trainee(cfg, target, frequent, tokenizer, init)
     elif cfg.algorithm == "STANDALONE":
