@@ -79,6 +79,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = load_cpu_kernels() if torch.is_inference_mode_enabled() else None
+        if (
+            kernel is not None
+            and x.device.type == "cpu"
+            and x.dtype == self.weight.dtype == torch.float32
+        ):
+            return kernel.rms_norm(x.contiguous(), self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
