@@ -42,6 +42,8 @@ from specmesh.shared.training.prompts import TOPICS, training_prompts
 from specmesh.shared.training.train_draft import (
     Corpus,
     TrainDraftConfig,
+    answers_file,
+    capture_answers,
     feature_layers,
     gather_samples,
     split_heldout,
@@ -316,6 +318,29 @@ def test_the_targets_choices_are_kept_for_the_next_run_on_the_same_samples(
         with pytest.raises(AssertionError, match="computed again"):
             views_of(95)  # other samples: the kept choices are not theirs
     assert all(map(torch.equal, again.argmax, views.argmax))
+
+
+def test_answers_kept_without_their_layers_get_them_by_teacher_forcing(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """An older run's answers (no chunk files of target layers) get them once, in the chunk
+    files generation writes, with the values generation would have kept."""
+    target_dir, head = trained
+    out = tmp_path / "out"
+    shutil.copytree(head.parent / "data", out / "data")
+    cfg = tiny_config(target_dir, out)
+    work, layers = answers_file(out, 0), capture_layers(*feature_layers(cfg, 8), 8)
+    read = CaptureReader()
+    generated = [read(c).clone() for c in find_captures(work, layers, 96)]
+    read.files.clear()
+    for path in (out / "data").glob("*.features.*.pt"):
+        path.unlink()
+    assert find_captures(work, layers, 96) == [None] * 96
+    capture_answers(cfg, target_dir, layers, 96)
+    captures = find_captures(work, layers, 96)
+    for rows, capture in zip(generated, captures, strict=True):
+        # generation never forwards an answer's last token: its row stays zero
+        torch.testing.assert_close(read(capture)[:-1], rows[:-1], rtol=0.02, atol=0.02)
 
 
 def test_a_reselected_vocabulary_keeps_the_rows_of_ids_the_head_had(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import torch
 from specmesh.shared.kvcache.kv_cache import KVCache
 from specmesh.shared.model.attention import SequenceSpan
 from specmesh.shared.model.llama import LlamaForCausalLM
-from specmesh.shared.training.data import Capture, CaptureReader, Sample
+from specmesh.shared.training.data import Capture, CaptureReader, Sample, features_path
 from tqdm import tqdm
 
 BLOCK = 16
@@ -57,12 +58,32 @@ def extract(
     """Teacher-forced target pass over every sample. `layers`/`normed` as the drafter's
     `target_features` (EAGLE-3: outputs of three layers; EAGLE: the final normed state).
     `progress`: a progress bar (a service learning online shows none)."""
+    views: list[TargetView] = []
+    passes = teacher_forced(target, samples, () if normed else layers, tokens_per_batch)
+    for lengths, final, aux in tqdm(
+        passes, desc="target features", unit="batch", disable=not progress
+    ):
+        features = final if normed else aux
+        argmax = greedy_choices(target, final)
+        for f, h, a in zip(*(t.split(lengths) for t in (features, final, argmax)), strict=True):
+            views.append(TargetView(f.to(store_dtype).cpu(), h.to(store_dtype).cpu(), a.cpu()))
+    return views
+
+
+@torch.inference_mode()
+def teacher_forced(
+    target: LlamaForCausalLM, samples: list[Sample], layers: tuple[int, ...], tokens: int
+) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """Per batch of consecutive samples (about `tokens` tokens): their lengths, and at every
+    position of each in order the target's final normed hidden state [N, H] and the outputs
+    of `layers` side by side [N, len(layers) * H] (empty without layers)."""
+    if not samples:
+        return
     device = target.embed_tokens.weight.device
-    batches = _batches(samples, tokens_per_batch)
+    batches = _batches(samples, tokens)
     blocks = max(sum(-(-len(samples[i].ids) // BLOCK) for i in b) for b in batches)
     cache = KVCache(target.config, blocks, BLOCK, device, target.embed_tokens.weight.dtype)
-    views: list[TargetView] = []
-    for batch in tqdm(batches, desc="target features", unit="batch", disable=not progress):
+    for batch in batches:
         spans, ids, positions, next_block = [], [], [], 0
         for i in batch:
             n = len(samples[i].ids)
@@ -77,22 +98,44 @@ def extract(
             torch.tensor(positions, device=device),
             cache.layers,
             meta,
-            () if normed else layers,
+            layers,
         )
-        features = final if normed else torch.cat(aux, dim=-1)
-        argmax = greedy_choices(target, final)
-        start = 0
-        for i in batch:
-            end = start + len(samples[i].ids)
-            views.append(
-                TargetView(
-                    features[start:end].to(store_dtype).cpu(),
-                    final[start:end].to(store_dtype).cpu(),
-                    argmax[start:end].cpu(),
-                )
-            )
-            start = end
-    return views
+        features = torch.cat(aux, dim=-1) if aux else final.new_empty(len(final), 0)
+        yield [len(samples[i].ids) for i in batch], final, features
+
+
+def capture_by_teacher_forcing(
+    target: LlamaForCausalLM,
+    samples: list[Sample],
+    captures: list[Capture | None],
+    out: Path,
+    layers: tuple[int, ...],
+    chunk: int = 384,
+) -> None:
+    """Keep target `layers` (`capture_layers`) for the samples of the answers file `out` that
+    have no capture (answered before their layers were kept), computed by teacher forcing,
+    in chunk files as `self_distill` keeps them: a stopped pass resumes at its next chunk,
+    and training reads them from disk instead of holding every sample's view in memory."""
+    missing = [i for i, c in enumerate(captures) if c is None]
+    for run in tqdm(consecutive_runs(missing, chunk), desc="target layers", unit="chunk"):
+        rows: list[torch.Tensor] = []
+        for lengths, _, aux in teacher_forced(target, [samples[i] for i in run], layers, 4096):
+            rows += aux.to(torch.bfloat16).split(lengths)
+        saved = {"layers": layers, "features": [r.clone() for r in rows]}
+        partial = features_path(out, run.start).with_suffix(".partial")
+        torch.save(saved, partial)
+        partial.replace(features_path(out, run.start))
+
+
+def consecutive_runs(indices: list[int], longest: int) -> list[range]:
+    """Ascending `indices` as ranges of consecutive ones, none longer than `longest`."""
+    runs: list[range] = []
+    for i in indices:
+        if runs and runs[-1].stop == i and len(runs[-1]) < longest:
+            runs[-1] = range(runs[-1].start, i + 1)
+        else:
+            runs.append(range(i, i + 1))
+    return runs
 
 
 def capture_layers(layers: tuple[int, ...], normed: bool, num_layers: int) -> tuple[int, ...]:

@@ -70,7 +70,11 @@ from specmesh.shared.training.eagle_trainer import (
     make_batches,
     unrolled_loss,
 )
-from specmesh.shared.training.features import TargetViews, capture_layers
+from specmesh.shared.training.features import (
+    TargetViews,
+    capture_by_teacher_forcing,
+    capture_layers,
+)
 from specmesh.shared.training.prompts import training_prompts
 from specmesh.shared.training.student_trainer import distill_loss, new_student
 from tqdm import tqdm
@@ -258,6 +262,22 @@ def generate_answers(
             )
             del engine
     return len(prompts)
+
+
+def capture_answers(
+    cfg: TrainDraftConfig, target_dir: Path, layers: tuple[int, ...], count: int
+) -> None:
+    """The target layers of answers generated without them (by a run that did not keep
+    them), computed and kept beside them, once, resumably."""
+    target = None
+    for temperature in cfg.temperature_list:
+        work = answers_file(Path(cfg.out), temperature)
+        samples = read_samples(work)[:count]
+        captures = find_captures(work, layers, len(samples))
+        if None in captures:
+            device = resolve_device(cfg.device)
+            target = target or load_model(target_dir, device, torch.float32)
+            capture_by_teacher_forcing(target, samples, captures, work, layers)
 
 
 @dataclass
@@ -610,6 +630,7 @@ def train_draft(cfg: TrainDraftConfig) -> Path:
         check_init(cfg, target_config, *features)
     capture = capture_layers(*features, target_config.num_layers)
     count = generate_answers(cfg, target_dir, tokenizer, capture)
+    capture_answers(cfg, target_dir, capture, count)
     if cfg.data_only:
         return Path(cfg.out) / "data"
     corpus = gather_samples(cfg, tokenizer, capture, count)
