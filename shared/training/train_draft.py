@@ -147,7 +147,8 @@ class TrainDraftConfig:
         False,
         "EAGLE-3 with --init: choose the draft vocabulary again from this run's data (the "
         "--draft-vocab-size targets it chooses most) instead of keeping the head's; the ids "
-        "the head had keep their LM-head rows, new ones start from the target's LM head",
+        "the head had keep their LM-head rows, new ones start from the target's LM head "
+        "mapped as the kept rows were",
     )
     epochs: float = option(2.0, "passes over the training data")
     on_policy_epochs: float = option(
@@ -461,15 +462,20 @@ def with_draft_vocab(
 ) -> EagleHead:
     """The EAGLE-3 `head` drafting over `draft_ids` (ascending target ids) instead of its
     own vocabulary: an id it had keeps its LM-head row, a new one starts from the target's
-    row (as in a new head)."""
+    row carried into the head's space."""
     device = head.d2t.device
     draft_ids = draft_ids.to(device)
     row_of = torch.full((target.config.vocab_size,), -1, dtype=torch.long, device=device)
     row_of[head.draft_ids] = torch.arange(len(head.d2t), device=device)
     kept = row_of[draft_ids]
     had = kept >= 0
-    rows = target.lm_head.weight[draft_ids].clone()
-    rows[had] = head.lm_head.weight[kept[had]]
+    # Training moved the head's rows away from the target's (the head's hidden space is its
+    # own): new ids start from the target's rows through the linear map that best takes the
+    # target's rows of the ids kept to the head's.
+    kept_rows = head.lm_head.weight[kept[had]]
+    transfer = torch.linalg.lstsq(target.lm_head.weight[draft_ids[had]], kept_rows).solution
+    rows = target.lm_head.weight[draft_ids] @ transfer
+    rows[had] = kept_rows
     head.lm_head = Linear(rows.shape[1], len(draft_ids), bias=False).to(device)
     head.lm_head.weight.copy_(rows)
     head.d2t = draft_ids - torch.arange(len(draft_ids), device=device)
