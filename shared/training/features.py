@@ -24,6 +24,7 @@ from specmesh.shared.training.data import Capture, CaptureReader, Sample, featur
 from tqdm import tqdm
 
 BLOCK = 16
+TOKENS_PER_BATCH = 4096  # of a teacher-forced pass
 
 
 @dataclass
@@ -51,7 +52,7 @@ def extract(
     samples: list[Sample],
     layers: tuple[int, ...],
     normed: bool,
-    tokens_per_batch: int = 4096,
+    tokens_per_batch: int = TOKENS_PER_BATCH,
     store_dtype: torch.dtype = torch.bfloat16,
     progress: bool = True,
 ) -> list[TargetView]:
@@ -119,12 +120,11 @@ def capture_by_teacher_forcing(
     missing = [i for i, c in enumerate(captures) if c is None]
     for run in tqdm(consecutive_runs(missing, chunk), desc="target layers", unit="chunk"):
         rows: list[torch.Tensor] = []
-        for lengths, _, aux in teacher_forced(target, [samples[i] for i in run], layers, 4096):
+        passes = teacher_forced(target, [samples[i] for i in run], layers, TOKENS_PER_BATCH)
+        for lengths, _, aux in passes:
             rows += aux.to(torch.bfloat16).split(lengths)
         saved = {"layers": layers, "features": [r.clone() for r in rows]}
-        partial = features_path(out, run.start).with_suffix(".partial")
-        torch.save(saved, partial)
-        partial.replace(features_path(out, run.start))
+        save_whole(saved, features_path(out, run.start))
 
 
 def consecutive_runs(indices: list[int], longest: int) -> list[range]:
@@ -236,11 +236,13 @@ def read_choices(path: Path, digest: str) -> list[torch.Tensor] | None:
 
 
 def save_choices(path: Path, digest: str, choices: list[torch.Tensor]) -> None:
-    saved = {
-        "digest": digest,
-        "lengths": torch.tensor([len(c) for c in choices]),
-        "choices": torch.cat(choices),
-    }
+    """Keep per-sample `choices` at `path` for `read_choices` on samples of `digest`."""
+    lengths = torch.tensor([len(c) for c in choices])
+    save_whole({"digest": digest, "lengths": lengths, "choices": torch.cat(choices)}, path)
+
+
+def save_whole(saved: dict[str, object], path: Path) -> None:
+    """torch.save to `path` through a temporary file: a stopped run leaves no half of one."""
     partial = path.with_suffix(".partial")
     torch.save(saved, partial)
-    partial.replace(path)  # a stopped run leaves no half-written file
+    partial.replace(path)
