@@ -188,14 +188,21 @@ class TargetViews:
         missing = [i for i, c in enumerate(captures) if c is None]
         views = extract(target, [samples[i] for i in missing], layers, normed) if missing else []
         self.computed = dict(zip(missing, views, strict=True))
-        digest = samples_digest(samples, greedy)
-        kept = read_choices(choices, digest) if choices else None
-        self.argmax = kept or [
-            self._choices(i, sample, g)
-            for i, (sample, g) in enumerate(zip(samples, greedy, strict=True))
-        ]
-        if choices and kept is None:
-            save_choices(choices, digest, self.argmax)
+        self.argmax = self._all_choices(samples, greedy, choices)
+
+    def _all_choices(
+        self, samples: list[Sample], greedy: list[bool], kept: Path | None
+    ) -> list[torch.Tensor]:
+        """Every sample's choices: read from `kept` if it holds these samples', else
+        computed (and kept there)."""
+        digest = samples_digest(samples, greedy) if kept else ""
+        choices = read_choices(kept, digest) if kept else None
+        if choices is None:
+            pairs = enumerate(zip(samples, greedy, strict=True))
+            choices = [self._choices(i, sample, g) for i, (sample, g) in pairs]
+            if kept:
+                save_choices(kept, digest, choices)
+        return choices
 
     def _choices(self, i: int, sample: Sample, greedy: bool) -> torch.Tensor:
         capture = self.captures[i]
