@@ -11,7 +11,8 @@ the speed-up of this checkout over the base, per round and their median. Wall ti
 this machine moves by 2x between days and by a third within minutes: a kernel change is
 judged by this ratio, not by times taken apart. Both builds multiply the weights as this
 checkout packed them, so a change to a packing layout (`block_weight`, `quant_pack`) is
-not comparable here.
+not comparable here, nor a base whose `Decoder` takes other arguments (before 2026-11-28's
+EAGLE-3 feature norm).
 """
 
 from __future__ import annotations
@@ -72,7 +73,10 @@ class Builds:
     def __init__(self, engine: LLMEngine, modules: list[ModuleType]) -> None:
         self.runner, self.modules = engine.runner, modules
         model, kv = engine.runner.model, engine.kv_cache.layers
-        self.decoders = [FusedDecoder(m, model, kv) for m in modules]
+        rope = (model.rope_cos, model.rope_sin)
+        self.decoders = [
+            FusedDecoder(m, model.config, model.layers, model.norm, kv, rope) for m in modules
+        ]
 
     def use(self, build: int) -> None:
         self.runner.fused = self.decoders[build]

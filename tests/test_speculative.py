@@ -385,6 +385,39 @@ def test_token_map_restricts_an_eagle3_heads_vocabulary(
     assert drafter.lm_rows.out_features == len(drafter.vocab_ids) < len(drafter.head.d2t)
 
 
+def test_an_eagle3_heads_fused_layer_drafts_as_its_torch_layer(
+    smollm_dir: Path, prompt_ids: list[list[int]], reference: list[list[int]]
+) -> None:
+    """The shipped head's layer in the C++ decoder, on every draft step of two requests
+    (catching up on a prompt, then on accepted tokens, and trees under their masks): the
+    same outputs and logits as the head's torch layer over the same cache."""
+    engine = spec_engine(
+        smollm_dir,
+        speculative_algorithm="EAGLE3",
+        speculative_num_steps=3,
+        speculative_eagle_topk=3,
+        speculative_num_draft_tokens=8,
+        speculative_adaptive=False,
+    )
+    drafter = engine.speculator.drafter
+    fused, steps = drafter.fused, []
+    assert fused is not None  # this machine builds the CPU kernels
+
+    def both_paths(*step: object) -> tuple[torch.Tensor, torch.Tensor]:
+        drafter.fused = None
+        torch_out, torch_logits = type(drafter)._forward(drafter, *step)
+        drafter.fused = fused
+        out, logits = type(drafter)._forward(drafter, *step)
+        torch.testing.assert_close(out, torch_out, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(logits, torch_logits, rtol=1e-4, atol=1e-4)
+        steps.append(len(step[1]))
+        return out, logits
+
+    drafter._forward = both_paths
+    assert [engine.generate([ids], GREEDY)[0] for ids in prompt_ids[:2]] == reference[:2]
+    assert max(steps) > 20 and min(steps) <= 3  # prompts caught up, then trees and catch-ups
+
+
 @pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
 def test_eagle_heads_load_from_published_layouts_and_are_lossless(
     algorithm: str,

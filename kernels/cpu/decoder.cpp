@@ -94,13 +94,18 @@ class Decoder {
  public:
   // layers: per layer its 10 weights (input norm, qkv and bias, o and bias, post norm,
   // gate_up and bias, down and bias) and 2 caches; types: per layer its 4 matmuls' types.
+  // feature_norm (empty: none) makes the one layer an EAGLE-3 head's: its attention reads
+  // [input_norm(embedding); feature_norm(feature)] and its residual stream starts at the
+  // feature.
   Decoder(std::vector<std::vector<Tensor>> layers, std::vector<std::vector<int64_t>> types,
-          Tensor final_norm, double eps, int64_t num_heads, int64_t num_kv_heads,
-          int64_t head_dim, int64_t intermediate_size)
-      : norm_(final_norm), eps_(eps), heads_(num_heads), kv_heads_(num_kv_heads),
-        dim_(head_dim), hidden_(final_norm.numel()), inter_(intermediate_size) {
+          Tensor final_norm, Tensor feature_norm, double eps, int64_t num_heads,
+          int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size)
+      : norm_(final_norm), feature_norm_(feature_norm), eps_(eps), heads_(num_heads),
+        kv_heads_(num_kv_heads), dim_(head_dim), hidden_(final_norm.numel()),
+        inter_(intermediate_size) {
     TORCH_CHECK(layers.size() == types.size(), "a matmul type list per layer");
     TORCH_CHECK(head_dim % 8 == 0, "head_dim a multiple of 8 (attention's AVX rows)");
+    TORCH_CHECK(!feature_norm.numel() || layers.size() == 1, "a feature norm takes one layer");
     const int64_t qkv_size = (heads_ + 2 * kv_heads_) * dim_;
     for (size_t i = 0; i < layers.size(); ++i) {
       const auto& l = layers[i];
@@ -112,13 +117,14 @@ class Decoder {
     }
   }
 
-  // x [rows, hidden] embedded tokens; cos/sin [rows, head_dim] at their positions;
-  // slot_mapping [rows] cache slot of each row. Returns the final-normed hidden states at
-  // `out_rows` followed by the residual stream after each layer in `aux_layers` (all rows),
-  // in that order.
-  std::vector<Tensor> forward(Tensor x, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor spans,
-                              Tensor slots, Tensor masks, std::vector<int64_t> aux_layers,
-                              Tensor out_rows) {
+  // x [rows, hidden] embedded tokens; features [rows, hidden] their features where the
+  // decoder has a feature norm (else empty); cos/sin [rows, head_dim] at their positions;
+  // slot_mapping [rows] cache slot of each row. Returns the final-normed hidden states and
+  // the hidden states before that norm, both at `out_rows`, then the residual stream after
+  // each layer in `aux_layers` (all rows), in that order.
+  std::vector<Tensor> forward(Tensor x, Tensor features, Tensor cos, Tensor sin,
+                              Tensor slot_mapping, Tensor spans, Tensor slots, Tensor masks,
+                              std::vector<int64_t> aux_layers, Tensor out_rows) {
     const int64_t rows = x.size(0);
     const int64_t q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
     const int64_t qkv_size = q_size + 2 * kv_size;
@@ -134,12 +140,12 @@ class Decoder {
     // needed only at the rows returned, unless its output is captured for all rows.
     const int64_t last = static_cast<int64_t>(layers_.size()) - 1;
     const bool trim = std::find(aux_layers.begin(), aux_layers.end(), last) == aux_layers.end();
-    std::vector<Tensor> out(1 + aux_layers.size());
+    TORCH_CHECK(features.numel() == (feature_norm_.numel() ? h.numel() : 0),
+                "features [rows, hidden] exactly where the decoder has a feature norm");
+    std::vector<Tensor> out(2 + aux_layers.size());
     for (int64_t i = 0; i <= last; ++i) {
       const Layer& l = layers_[i];
-      rms_norm(h.data_ptr<float>(), l.input_norm.data_ptr<float>(), eps_, rows, hidden_,
-               normed.data_ptr<float>());
-      Tensor qkv = l.qkv(normed, std::nullopt);
+      Tensor qkv = l.qkv(attention_input(l, h, features, normed), std::nullopt);
       float* qp = qkv.data_ptr<float>();
       float* kc = l.k_cache.data_ptr<float>();
       float* vc = l.v_cache.data_ptr<float>();
@@ -163,17 +169,40 @@ class Decoder {
         h = finish_layer(l, attn, h, normed, act);
       }
       for (size_t a = 0; a < aux_layers.size(); ++a)
-        if (aux_layers[a] == i) out[1 + a] = h;
+        if (aux_layers[a] == i) out[2 + a] = h;
     }
     if (!trim) h = h.index_select(0, out_rows);
     Tensor final_normed = torch::empty({h.size(0), hidden_}, opts);
     rms_norm(h.data_ptr<float>(), norm_.data_ptr<float>(), eps_, h.size(0), hidden_,
              final_normed.data_ptr<float>());
     out[0] = final_normed;
+    out[1] = h;
     return out;
   }
 
  private:
+  // A layer's attention input: its input norm of the residual stream h (into `normed`), or
+  // in an EAGLE-3 head [input_norm(h); feature_norm(features)], h becoming the features.
+  Tensor attention_input(const Layer& l, Tensor& h, const Tensor& features, Tensor& normed) const {
+    const int64_t rows = h.size(0);
+    const float* w = l.input_norm.data_ptr<float>();
+    if (!feature_norm_.numel()) {
+      rms_norm(h.data_ptr<float>(), w, eps_, rows, hidden_, normed.data_ptr<float>());
+      return normed;
+    }
+    Tensor both = torch::empty({rows, 2 * hidden_}, h.options());
+    const Tensor feats = features.contiguous();
+    const float *hp = h.data_ptr<float>(), *fp = feats.data_ptr<float>();
+    const float* fw = feature_norm_.data_ptr<float>();
+    float* bp = both.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) {
+      rms_norm(hp + r * hidden_, w, eps_, 1, hidden_, bp + 2 * r * hidden_);
+      rms_norm(fp + r * hidden_, fw, eps_, 1, hidden_, bp + (2 * r + 1) * hidden_);
+    }
+    h = feats;
+    return both;
+  }
+
   // A layer past its attention, at attn's rows: o_proj onto the residual h, then the MLP.
   // normed, act: scratch of at least as many rows.
   Tensor finish_layer(const Layer& l, const Tensor& attn, Tensor h, Tensor& normed,
@@ -292,7 +321,7 @@ class Decoder {
   static int64_t chunks(int64_t keys) { return (keys + DECODE_KEYS - 1) / DECODE_KEYS; }
 
   std::vector<Layer> layers_;
-  Tensor norm_;
+  Tensor norm_, feature_norm_;
   float eps_;
   int64_t heads_, kv_heads_, dim_, hidden_, inter_;
 };
@@ -338,7 +367,7 @@ Tensor rms_norm_op(const Tensor& x, const Tensor& weight, double eps) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<std::vector<std::vector<Tensor>>, std::vector<std::vector<int64_t>>,
-                          Tensor, double, int64_t, int64_t, int64_t, int64_t>())
+                          Tensor, Tensor, double, int64_t, int64_t, int64_t, int64_t>())
       .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("block_weight", &block_weight);
   m.def("causal_attention", &causal_attention_op,

@@ -1,15 +1,21 @@
 """The decoder's forward in one call into the C++ CPU kernel (`kernels/cpu/decoder.cpp`):
 the same blocked matmuls as the packed `Linear`s, with no Python between them and
 attention reading the paged cache in place (tiled for prefill chunks, row by row for
-decode rows and draft trees). Same maths as `LlamaForCausalLM.forward`."""
+decode rows and draft trees). Same maths as `LlamaForCausalLM.forward`, and as an EAGLE-3
+head's layer (`EagleHead.decode`), whose attention also reads the normed feature."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from specmesh.shared.model.attention import SequenceSpan, context_slots
-from specmesh.shared.model.layers import Linear
+from specmesh.shared.model.config import ModelConfig
+from specmesh.shared.model.layers import Linear, RMSNorm
 from specmesh.shared.model.llama import LlamaForCausalLM
 from torch import nn
+
+KVLayers = Sequence[tuple[torch.Tensor, ...]]
 
 
 def _linears(layer: nn.Module) -> tuple[Linear, ...]:
@@ -27,22 +33,70 @@ def _weights(layer: nn.Module) -> list[torch.Tensor]:
     return [norms[0], *qkv, *o, norms[1], *gate_up, *down]
 
 
+def _kernel(cfg: ModelConfig, layers: Sequence[nn.Module], kv_layers: KVLayers) -> object | None:
+    """The compiled kernels where they compute these layers, else None (layers other than
+    plain Llama ones: Qwen3's q/k norms, routed experts; a head size not a multiple of 8;
+    unpacked weights: not fp32 on CPU; a KV cache not in fp32, which the kernel reads in
+    place; no compiled kernel)."""
+    if cfg.qk_norm or cfg.moe is not None or cfg.linear is not None:
+        return None  # decoder.cpp computes plain Llama layers only
+    if cfg.head_dim % 8:
+        return None  # its attention reads heads 8 floats at a time
+    if any(m.packed is None for layer in layers for m in _linears(layer)):
+        return None
+    if any(t.dtype != torch.float32 for kv in kv_layers for t in kv):
+        return None
+    from specmesh.kernels.cpu import load
+
+    return load()
+
+
+def span_table(
+    spans: list[SequenceSpan], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """decoder.cpp's view of a step's spans: the [count, 5] table (first row, new rows,
+    cached tokens, offset into the context slots, offset into the masks or -1), every
+    span's context slots, the new rows' slots, and the flattened masks."""
+    table, slots, new_slots, masks = [], [], [], []
+    row = slot_offset = mask_offset = 0
+    for span in spans:
+        total = span.num_cached + span.num_new
+        ctx = context_slots(span.block_table, total, block_size)
+        if len(ctx) < total:  # the kernel trusts its slots: never let it write past them
+            raise IndexError(f"block table of {len(span.block_table)} blocks < {total} tokens")
+        mask_at = -1
+        if span.mask is not None:
+            mask_at, mask_offset = mask_offset, mask_offset + span.num_new**2
+            masks.append(span.mask.flatten())
+        table.append((row, span.num_new, span.num_cached, slot_offset, mask_at))
+        slots.append(ctx)
+        new_slots.append(ctx[span.num_cached :])
+        row, slot_offset = row + span.num_new, slot_offset + total
+    flat_masks = torch.cat(masks) if masks else torch.empty(0, dtype=torch.bool)
+    return torch.tensor(table, dtype=torch.long), torch.cat(slots), torch.cat(new_slots), flat_masks
+
+
 class FusedDecoder:
-    """A model's layers and KV caches held by the C++ decoder, which reads them in place."""
+    """Decoder layers and their KV caches held by the C++ decoder, which reads them in place."""
 
     def __init__(
-        self, kernel: object, model: LlamaForCausalLM, kv_layers: list[tuple[torch.Tensor, ...]]
+        self,
+        kernel: object,
+        cfg: ModelConfig,
+        layers: Sequence[nn.Module],
+        norm: RMSNorm,
+        kv_layers: KVLayers,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        feature_norm: RMSNorm | None = None,
     ) -> None:
-        cfg = model.config
-        layers = [
-            [w.detach() for w in _weights(layer)] + list(kv)
-            for layer, kv in zip(model.layers, kv_layers, strict=True)
-        ]
-        self.model = model
+        self.rope_cos, self.rope_sin = rope
+        self.head_dim = cfg.head_dim
+        weights = [[w.detach() for w in _weights(layer)] for layer in layers]
         self.decoder = kernel.Decoder(
-            layers,
-            [[m.block_type for m in _linears(layer)] for layer in model.layers],
-            model.norm.weight.detach(),
+            [w + list(kv) for w, kv in zip(weights, kv_layers, strict=True)],
+            [[m.block_type for m in _linears(layer)] for layer in layers],
+            norm.weight.detach(),
+            torch.empty(0) if feature_norm is None else feature_norm.weight.detach(),
             cfg.rms_norm_eps,
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -51,67 +105,52 @@ class FusedDecoder:
         )
 
     @classmethod
-    def build(
-        cls, model: LlamaForCausalLM, kv_layers: list[tuple[torch.Tensor, ...]]
-    ) -> FusedDecoder | None:
+    def build(cls, model: LlamaForCausalLM, kv_layers: KVLayers) -> FusedDecoder | None:
         """A fused decoder for this model once `pack_linears` packed it, or None where the
-        kernel does not apply (layers other than plain Llama ones: Qwen3's q/k norms,
-        routed experts; a head size not a multiple of 8; unpacked weights: not fp32 on
-        CPU; a KV cache not in fp32, which the kernel reads in place; no compiled kernel)."""
-        cfg = model.config
-        if cfg.qk_norm or cfg.moe is not None or cfg.linear is not None:
-            return None  # decoder.cpp computes plain Llama layers only
-        if cfg.head_dim % 8:
-            return None  # its attention reads heads 8 floats at a time
-        linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
-        if any(m.packed is None for m in linears):
+        kernel does not apply (`_kernel`)."""
+        kernel = _kernel(model.config, model.layers, kv_layers)
+        if kernel is None:
             return None
-        if any(t.dtype != torch.float32 for kv in kv_layers for t in kv):
-            return None
-        from specmesh.kernels.cpu import load
+        rope = (model.rope_cos, model.rope_sin)
+        return cls(kernel, model.config, model.layers, model.norm, kv_layers, rope)
 
-        kernel = load()
-        return None if kernel is None else cls(kernel, model, kv_layers)
+    @classmethod
+    def eagle3(cls, head: nn.Module, kv_layers: KVLayers) -> FusedDecoder | None:
+        """An EAGLE-3 head's layer (`EagleHead`, packed), its `norm` the final one; None
+        where the kernel does not apply."""
+        kernel = _kernel(head.config, [head], kv_layers)
+        if kernel is None:
+            return None
+        rope = (head.rope_cos, head.rope_sin)
+        return cls(kernel, head.config, [head], head.norm, kv_layers, rope, head.hidden_norm)
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        embeds: torch.Tensor,
         positions: torch.Tensor,
         spans: list[SequenceSpan],
         block_size: int,
         out_rows: torch.Tensor,
         aux_layers: tuple[int, ...] = (),
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """As `LlamaForCausalLM.forward`, but the final hidden states only at `out_rows`
-        ([R] row indices): the last layer skips the other rows past their K and V."""
-        table, slots, new_slots, masks = [], [], [], []
-        row = slot_offset = mask_offset = 0
-        for span in spans:
-            total = span.num_cached + span.num_new
-            ctx = context_slots(span.block_table, total, block_size)
-            if len(ctx) < total:  # the kernel trusts its slots: never let it write past them
-                raise IndexError(f"block table of {len(span.block_table)} blocks < {total} tokens")
-            mask_at = -1
-            if span.mask is not None:
-                mask_at, mask_offset = mask_offset, mask_offset + span.num_new**2
-                masks.append(span.mask.flatten())
-            table.append((row, span.num_new, span.num_cached, slot_offset, mask_at))
-            slots.append(ctx)
-            new_slots.append(ctx[span.num_cached :])
-            row, slot_offset = row + span.num_new, slot_offset + total
-        model = self.model
-        head_dim = model.config.head_dim
-        cos = model.rope_cos[positions].view(-1, head_dim)
-        sin = model.rope_sin[positions].view(-1, head_dim)
+        features: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """As `LlamaForCausalLM.forward` from token embeddings [T, hidden] (and an EAGLE-3
+        head's features [T, hidden]), but the hidden states only at `out_rows` ([R] row
+        indices): the last layer skips the other rows past their K and V. Returns those
+        rows final-normed and before the norm, and the aux layers' outputs (all rows)."""
+        table, slots, new_slots, masks = span_table(spans, block_size)
+        cos = self.rope_cos[positions].view(-1, self.head_dim)
+        sin = self.rope_sin[positions].view(-1, self.head_dim)
         out = self.decoder.forward(
-            model.embed_tokens(input_ids),
+            embeds,
+            torch.empty(0) if features is None else features,
             cos,
             sin,
-            torch.cat(new_slots),
-            torch.tensor(table, dtype=torch.long),
-            torch.cat(slots),
-            torch.cat(masks) if masks else torch.empty(0, dtype=torch.bool),
+            new_slots,
+            table,
+            slots,
+            masks,
             list(aux_layers),
             out_rows,
         )
-        return out[0], out[1:]
+        return out[0], out[1], out[2:]

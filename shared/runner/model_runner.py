@@ -85,7 +85,8 @@ class ModelRunner:
         out = None
         plain = embeds is None  # only the model's torch path takes embeddings in
         if plain and self.fused is not None:
-            hidden, aux = self.fused.forward(ids, pos, spans, block_size, out_rows, aux_layers)
+            x = self.model.embed_tokens(ids)
+            hidden, _, aux = self.fused.forward(x, pos, spans, block_size, out_rows, aux_layers)
             return self.model.compute_logits(hidden), aux
         if plain and self.graphs is not None:
             out = self.graphs.run(spans, ids, pos, aux_layers)  # None: not a decode step

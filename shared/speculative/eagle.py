@@ -38,6 +38,7 @@ from specmesh.shared.kvcache.block_manager import BlockManager, block_hash
 from specmesh.shared.kvcache.kv_cache import KVCache
 from specmesh.shared.model.attention import SequenceSpan, TorchAttention
 from specmesh.shared.model.config import ModelConfig
+from specmesh.shared.model.fused import FusedDecoder
 from specmesh.shared.model.layers import MLP, Linear, RMSNorm, pack_linears
 from specmesh.shared.model.llama import Attention, LlamaForCausalLM
 from specmesh.shared.model.loader import (
@@ -432,6 +433,7 @@ class EagleDrafter(LocalDrafter):
         self._vocab(self.token_map)
         pack_linears(self.head)
         self.kv_cache = KVCache.for_memory(self.head.config, kv_cache_gb, block_size, device, dtype)
+        self.fused = self._fused(self.head)
         self.blocks = BlockManager(self.kv_cache.num_blocks, block_size)
         self.num_steps = cfg.speculative_num_steps
         self.topk = cfg.speculative_eagle_topk
@@ -496,13 +498,42 @@ class EagleDrafter(LocalDrafter):
         requests in flight (they only cost acceptance until those requests end); no later
         request reuses them."""
         self.head = head
+        self.fused = self._fused(head)
         self.head_version += 1
         self._vocab(self.token_map)
+
+    def _fused(self, head: EagleHead) -> FusedDecoder | None:
+        """An EAGLE-3 head's layer in the C++ decoder, where it applies (one call per draft
+        step instead of a dozen torch ops)."""
+        return FusedDecoder.eagle3(head, self.kv_cache.layers) if head.eagle3 else None
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_rows is None:
             return self.head.logits(hidden, self.target)
         return self.lm_rows(self.head.norm(hidden) if self.head.eagle3 else hidden)
+
+    def _forward(
+        self,
+        spans: list[SequenceSpan],
+        ids: list[int],
+        features: torch.Tensor,
+        positions: list[int],
+        rows: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over a step's (token id, feature [T, H]) pairs: its output at `rows`
+        ([R, H], the feature fed to their children) and their logits [R, draft vocab]."""
+        device = self.embed.device
+        embeds = self.embed[torch.tensor(ids, device=device)]
+        pos, out_rows = (torch.tensor(v, device=device) for v in (positions, rows))
+        block_size = self.kv_cache.block_size
+        if self.fused is not None:
+            normed, out, _ = self.fused.forward(
+                embeds, pos, spans, block_size, out_rows, features=features
+            )
+            return out, (self.head.lm_head if self.lm_rows is None else self.lm_rows)(normed)
+        meta = self.head.self_attn.backend.prepare(spans, block_size, device)
+        out = self.head(embeds, features, pos, self.kv_cache.layers[0], meta)[out_rows]
+        return out, self._logits(out)
 
     def open(self, request_id: str, prompt_ids: list[int]) -> None:
         self.tokens[request_id] = list(prompt_ids)
@@ -605,17 +636,8 @@ class EagleDrafter(LocalDrafter):
                 spans.append(SequenceSpan(seq.block_table, len(seq), len(s.expanded), mask))
                 positions += [offset + len(seq) - 1 + s.depths[i] for i in s.expanded]
                 rows += [first_row + s.expanded.index(f) for f in s.frontier]
-        device = self.embed.device
-        meta = self.head.self_attn.backend.prepare(spans, self.kv_cache.block_size, device)
-        hidden = self.head(
-            self.embed[torch.tensor(ids, device=device)],
-            torch.cat(feats),
-            torch.tensor(positions, device=device),
-            self.kv_cache.layers[0],
-            meta,
-        )
-        out = hidden[torch.tensor(rows, device=device)]
-        top_lp, top_ids = torch.log_softmax(self._logits(out).float(), dim=-1).topk(self.topk)
+        out, logits = self._forward(spans, ids, torch.cat(feats), positions, rows)
+        top_lp, top_ids = torch.log_softmax(logits.float(), dim=-1).topk(self.topk)
         if self.vocab_ids is not None:
             top_ids = self.vocab_ids[top_ids]
         row = 0
