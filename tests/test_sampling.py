@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from specmesh.kernels.cpu import load as load_cpu_kernels
 from specmesh.shared.core.sequence import Sequence
 from specmesh.shared.runner.logits import processed_logits
 from specmesh.shared.sampling.params import SamplingParams
@@ -13,6 +14,7 @@ from specmesh.shared.sampling.sampler import (
     Sampler,
     apply_penalties,
     draw,
+    greedy,
     position_generator,
     to_probs,
 )
@@ -52,6 +54,24 @@ def test_greedy_equals_argmax() -> None:
     assert out.logprobs == [None] * 5 and out.top_logprobs == [None] * 5
     # The all-greedy fast path draws no random numbers.
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_greedy_is_torch_argmax_on_ties_nans_and_tails() -> None:
+    """The kernels' argmax (a verified tree's rows) answers as torch's does: the first of
+    equal maxima, the first NaN, index 0 of a row of -inf, in the vector lanes and in a
+    tail past the last 8."""
+    assert load_cpu_kernels() is not None  # this machine builds the CPU kernels
+    torch.manual_seed(2)
+    x = torch.randn(8, 49157)
+    x[0, 100] = x[0, 40000] = 50.0
+    x[1, 5000] = x[1, 7] = float("nan")
+    x[2] = float("-inf")
+    x[3] = 1.0
+    x[4, 49156] = 50.0
+    x[5, 49153] = float("nan")
+    x[6, 8] = x[6, 3] = float("inf")
+    for rows in (x, x[:, :5], x[:, :16].contiguous(), x[:1]):
+        assert torch.equal(greedy(rows), rows.argmax(dim=-1))
 
 
 def test_greedy_rows_in_mixed_batch_are_argmax() -> None:

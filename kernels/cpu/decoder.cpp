@@ -362,6 +362,53 @@ Tensor rms_norm_op(const Tensor& x, const Tensor& weight, double eps) {
   return out;
 }
 
+// The index of the largest of x[0..n): the first of equal ones, and the first NaN where
+// there is one (torch.argmax's answer). 8 lanes keep their best value and its index.
+int64_t argmax_row(const float* x, int64_t n) {
+  __m256 best = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+  __m256 at = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), index = at;  // exact below 2^24
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    const __m256 greater = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+    best = _mm256_blendv_ps(best, v, greater);
+    at = _mm256_blendv_ps(at, index, greater);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    index = _mm256_add_ps(index, _mm256_set1_ps(8.f));
+  }
+  alignas(32) float values[8], indexes[8];
+  _mm256_store_ps(values, best);
+  _mm256_store_ps(indexes, at);
+  float top = -INFINITY;
+  int64_t top_at = 0;
+  for (int l = 0; l < 8; ++l) {
+    const auto i = static_cast<int64_t>(indexes[l]);
+    if (values[l] > top || (values[l] == top && i < top_at)) top = values[l], top_at = i;
+  }
+  const bool has_nan = _mm256_movemask_ps(nan);
+  for (int64_t i = has_nan ? 0 : j; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > top) top = x[i], top_at = i;
+  }
+  return top_at;
+}
+
+// x [rows, n] (fp32) -> each row's argmax [rows], as torch.argmax(x, -1): a vectorised
+// pass where torch's takes ~30 us a row of a 49k vocabulary (a verified tree has ~10).
+Tensor argmax_op(const Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous() &&
+                  x.size(1) > 0,
+              "fp32 contiguous x [rows, n > 0]");
+  const int64_t rows = x.size(0), n = x.size(1);
+  Tensor out = torch::empty({rows}, x.options().dtype(torch::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  parallel_jobs(rows, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -376,6 +423,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("quant_pack", &quant_pack);
   m.def("rms_norm", &rms_norm_op, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("argmax", &argmax_op, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("quant_block_bytes", &quant_block_bytes);
   m.def("set_num_threads", &set_num_threads);
   m.def("get_num_threads", &get_num_threads);

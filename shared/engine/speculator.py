@@ -23,7 +23,7 @@ from specmesh.shared.kvcache.block_manager import BlockManager
 from specmesh.shared.kvcache.kv_cache import KVCache, TreeStates
 from specmesh.shared.runner.logits import processed_logits, shapes_logits
 from specmesh.shared.sampling.params import SamplingParams
-from specmesh.shared.sampling.sampler import has_penalties, to_probs
+from specmesh.shared.sampling.sampler import greedy, has_penalties, to_probs
 from specmesh.shared.speculative.accept import accept_greedy, accept_sampling
 from specmesh.shared.speculative.config import SpeculativeConfig
 from specmesh.shared.speculative.drafter import Drafter, DraftRequest
@@ -195,7 +195,7 @@ class Speculator:
             paths = [tree.path_tokens(node)[1:] for node in range(len(tree))]  # root: emitted
             logits = processed_logits(logits, seq, paths, self.eos_token_ids)
         if params.greedy:
-            path, emitted = accept_greedy(tree, logits.argmax(dim=-1).tolist())
+            path, emitted = accept_greedy(tree, greedy(logits).tolist())
         else:
             path, emitted = accept_sampling(
                 tree,
