@@ -400,6 +400,7 @@ Tensor argmax_op(const Tensor& x) {
                   x.size(1) > 0,
               "fp32 contiguous x [rows, n > 0]");
   const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(n <= (int64_t{1} << 24), "at most 2^24 columns (the lanes count them in fp32)");
   Tensor out = torch::empty({rows}, x.options().dtype(torch::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();

@@ -51,7 +51,7 @@ def _kernel(cfg: ModelConfig, layers: Sequence[nn.Module], kv_layers: KVLayers) 
     return load()
 
 
-def span_table(
+def _span_table(
     spans: list[SequenceSpan], block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """decoder.cpp's view of a step's spans: the [count, 5] table (first row, new rows,
@@ -138,7 +138,7 @@ class FusedDecoder:
         head's features [T, hidden]), but the hidden states only at `out_rows` ([R] row
         indices): the last layer skips the other rows past their K and V. Returns those
         rows final-normed and before the norm, and the aux layers' outputs (all rows)."""
-        table, slots, new_slots, masks = span_table(spans, block_size)
+        table, slots, new_slots, masks = _span_table(spans, block_size)
         cos = self.rope_cos[positions].view(-1, self.head_dim)
         sin = self.rope_sin[positions].view(-1, self.head_dim)
         out = self.decoder.forward(
