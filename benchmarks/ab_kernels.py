@@ -73,10 +73,7 @@ class Builds:
     def __init__(self, engine: LLMEngine, modules: list[ModuleType]) -> None:
         self.runner, self.modules = engine.runner, modules
         model, kv = engine.runner.model, engine.kv_cache.layers
-        rope = (model.rope_cos, model.rope_sin)
-        self.decoders = [
-            FusedDecoder(m, model.config, model.layers, model.norm, kv, rope) for m in modules
-        ]
+        self.decoders = [FusedDecoder.build(model, kv, m) for m in modules]
 
     def use(self, build: int) -> None:
         self.runner.fused = self.decoders[build]

@@ -33,11 +33,13 @@ def _weights(layer: nn.Module) -> list[torch.Tensor]:
     return [norms[0], *qkv, *o, norms[1], *gate_up, *down]
 
 
-def _kernel(cfg: ModelConfig, layers: Sequence[nn.Module], kv_layers: KVLayers) -> object | None:
-    """The compiled kernels where they compute these layers, else None (layers other than
-    plain Llama ones: Qwen3's q/k norms, routed experts; a head size not a multiple of 8;
-    unpacked weights: not fp32 on CPU; a KV cache not in fp32, which the kernel reads in
-    place; no compiled kernel)."""
+def _kernel(
+    cfg: ModelConfig, layers: Sequence[nn.Module], kv_layers: KVLayers, kernel: object | None
+) -> object | None:
+    """`kernel` (default: this checkout's compiled kernels) where it computes these layers,
+    else None (layers other than plain Llama ones: Qwen3's q/k norms, routed experts; a
+    head size not a multiple of 8; unpacked weights: not fp32 on CPU; a KV cache not in
+    fp32, which the kernel reads in place; no compiled kernel)."""
     if cfg.qk_norm or cfg.moe is not None or cfg.linear is not None:
         return None  # decoder.cpp computes plain Llama layers only
     if cfg.head_dim % 8:
@@ -48,7 +50,7 @@ def _kernel(cfg: ModelConfig, layers: Sequence[nn.Module], kv_layers: KVLayers) 
         return None
     from specmesh.kernels.cpu import load
 
-    return load()
+    return kernel or load()
 
 
 def _span_table(
@@ -105,10 +107,13 @@ class FusedDecoder:
         )
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM, kv_layers: KVLayers) -> FusedDecoder | None:
+    def build(
+        cls, model: LlamaForCausalLM, kv_layers: KVLayers, kernel: object | None = None
+    ) -> FusedDecoder | None:
         """A fused decoder for this model once `pack_linears` packed it, or None where the
-        kernel does not apply (`_kernel`)."""
-        kernel = _kernel(model.config, model.layers, kv_layers)
+        kernel does not apply (`_kernel`). `kernel`: another build of the kernels (a
+        benchmark comparing builds)."""
+        kernel = _kernel(model.config, model.layers, kv_layers, kernel)
         if kernel is None:
             return None
         rope = (model.rope_cos, model.rope_sin)
@@ -118,7 +123,7 @@ class FusedDecoder:
     def eagle3(cls, head: nn.Module, kv_layers: KVLayers) -> FusedDecoder | None:
         """An EAGLE-3 head's layer (`EagleHead`, packed), its `norm` the final one; None
         where the kernel does not apply."""
-        kernel = _kernel(head.config, [head], kv_layers)
+        kernel = _kernel(head.config, [head], kv_layers, None)
         if kernel is None:
             return None
         rope = (head.rope_cos, head.rope_sin)

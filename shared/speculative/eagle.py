@@ -146,9 +146,15 @@ class EagleHead(nn.Module):
     def logits(self, hidden: torch.Tensor, target: LlamaForCausalLM) -> torch.Tensor:
         """Logits over the draft vocabulary (EAGLE-3's own head) or the target's (EAGLE,
         NEXTN: its output is already normed)."""
-        if self.eagle3:
-            return self.lm_head(self.norm(hidden))
-        return target.compute_logits(hidden)
+        return self.lm_logits(self.lm_input(hidden), target)
+
+    def lm_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the LM head reads of the layer's output: EAGLE-3 its final norm."""
+        return self.norm(hidden) if self.eagle3 else hidden
+
+    def lm_logits(self, x: torch.Tensor, target: LlamaForCausalLM) -> torch.Tensor:
+        """The LM head over `lm_input`'s rows: EAGLE-3's own, else the target's."""
+        return self.lm_head(x) if self.eagle3 else target.compute_logits(x)
 
 
 def _weight_file(path: Path) -> Path:
@@ -507,10 +513,11 @@ class EagleDrafter(LocalDrafter):
         step instead of a dozen torch ops)."""
         return FusedDecoder.eagle3(head, self.kv_cache.layers) if head.eagle3 else None
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _logits(self, lm_input: torch.Tensor) -> torch.Tensor:
+        """Drafting logits of the LM head's input rows (`EagleHead.lm_input`)."""
         if self.lm_rows is None:
-            return self.head.logits(hidden, self.target)
-        return self.lm_rows(self.head.norm(hidden) if self.head.eagle3 else hidden)
+            return self.head.lm_logits(lm_input, self.target)
+        return self.lm_rows(lm_input)
 
     def _forward(
         self,
@@ -530,10 +537,10 @@ class EagleDrafter(LocalDrafter):
             normed, out, _ = self.fused.forward(
                 embeds, pos, spans, block_size, out_rows, features=features
             )
-            return out, (self.head.lm_head if self.lm_rows is None else self.lm_rows)(normed)
+            return out, self._logits(normed)  # the fused layer's final norm: EAGLE-3's
         meta = self.head.self_attn.backend.prepare(spans, block_size, device)
         out = self.head(embeds, features, pos, self.kv_cache.layers[0], meta)[out_rows]
-        return out, self._logits(out)
+        return out, self._logits(self.head.lm_input(out))
 
     def open(self, request_id: str, prompt_ids: list[int]) -> None:
         self.tokens[request_id] = list(prompt_ids)

@@ -195,14 +195,18 @@ class TargetViews:
     ) -> list[torch.Tensor]:
         """Every sample's choices: read from `kept` if it holds these samples', else
         computed (and kept there)."""
-        digest = samples_digest(samples, greedy) if kept else ""
-        choices = read_choices(kept, digest) if kept else None
+        if kept is None:
+            return self._computed_choices(samples, greedy)
+        digest = samples_digest(samples, greedy)
+        choices = read_choices(kept, digest)
         if choices is None:
-            pairs = enumerate(zip(samples, greedy, strict=True))
-            choices = [self._choices(i, sample, g) for i, (sample, g) in pairs]
-            if kept:
-                save_choices(kept, digest, choices)
+            choices = self._computed_choices(samples, greedy)
+            save_choices(kept, digest, choices)
         return choices
+
+    def _computed_choices(self, samples: list[Sample], greedy: list[bool]) -> list[torch.Tensor]:
+        pairs = enumerate(zip(samples, greedy, strict=True))
+        return [self._choices(i, sample, g) for i, (sample, g) in pairs]
 
     def _choices(self, i: int, sample: Sample, greedy: bool) -> torch.Tensor:
         capture = self.captures[i]
