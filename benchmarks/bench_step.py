@@ -4,12 +4,15 @@
         [--new-tokens 32] [--services] [--quantization gguf|int8|int4|bf16]
 
 Prints, each a median over `--runs` interleaved rounds:
-- the memory-read floor: the bytes of weights a decode step must read (as the kernels
-  hold them: fp32 column blocks, or with `--quantization` their blocks), over
-  the read bandwidth a plain sum over a 512 MB buffer reaches in this process;
+- the memory-read floor of the batch-1 step: the bytes it must read (every weight as the
+  kernels hold it: fp32 column blocks, or with `--quantization` their blocks; and the
+  sequence's K/V at `--context`), over the read bandwidth of a plain sum in this process,
+  by two probes: a 512 MB buffer (past any cache: memory) and a buffer of the step's own
+  bytes read again and again, as decode reads them (a large L3 holds them on some machines);
 - our forward step at batch 1, 8 and 32 (one new token per sequence over
-  `--context` cached tokens), and its ratio to the floor; beside it the same step
-  through the model's torch path (what runs where the fused CPU kernel is unavailable);
+  `--context` cached tokens), timed as decode runs it, step after step (the median of 20
+  after 10 unmeasured), and the batch-1 step's ratio to each floor; beside it the same
+  step through the model's torch path (what runs where the fused CPU kernel is unavailable);
 - the verify-cost curve: one sequence forwarding k = 1..16 tokens (a draft chain),
   as a multiple of the batch-1 step;
 - end-to-end greedy generation, our engine vs transformers `generate`, at batch
@@ -65,11 +68,26 @@ def seconds(fn: Callable[[], object], repeat: int = 5) -> float:
     return statistics.median(times)
 
 
-def step_read_bytes(model: LlamaForCausalLM) -> int:
-    """Bytes a decode step must stream: every matmul weight once, as its kernel holds it
-    (the embedding lookup reads a row; a tied LM head is counted as the matmul it is)."""
+def steady_seconds(fn: Callable[[], object], warm: int = 10, repeat: int = 20) -> float:
+    """Median wall time of `repeat` calls after `warm` unmeasured ones: consecutive steps,
+    as decode runs them (the first steps after other work find their bytes out of cache)."""
+    for _ in range(warm):
+        fn()
+    return seconds(fn, repeat)
+
+
+def weight_bytes_per_step(model: LlamaForCausalLM) -> int:
+    """Weight bytes a decode step must stream: every matmul weight once, as its kernel
+    holds it (the embedding lookup reads a row; a tied LM head is counted as the matmul
+    it is)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     return sum((m.weight if m.packed is None else m.packed).nbytes for m in linears)
+
+
+def kv_bytes_per_step(engine: LLMEngine, context: int) -> int:
+    """K/V bytes one sequence's decode step reads at `context` cached tokens."""
+    itemsize = engine.kv_cache.dtype.itemsize
+    return engine.model.config.kv_elements_per_token * context * itemsize
 
 
 class StepProbe:
@@ -102,8 +120,10 @@ class StepProbe:
         self.runner.forward(spans, ids, positions, rows)
 
 
-def read_bandwidth(buffer: torch.Tensor) -> float:
-    """Bytes/s of a plain read (a sum) over `buffer`, best of 5."""
+def read_bandwidth(buffer: torch.Tensor, warm: int = 0) -> float:
+    """Bytes/s of a plain read (a sum) over `buffer`, best of 5 after `warm` unmeasured."""
+    for _ in range(warm):
+        buffer.sum()
     return buffer.numel() * buffer.element_size() / min(seconds(buffer.sum, 1) for _ in range(5))
 
 
@@ -158,44 +178,54 @@ def main() -> None:
     tok = Tokenizer(model_dir)
     chat = [tok.encode_chat([{"role": "user", "content": p}]) for p in CHAT]
     probe = StepProbe(engine, args.context)
-    weight_bytes = step_read_bytes(engine.model)
-    buffer = torch.ones(PROBE_BYTES // 4)
+    weight_bytes = weight_bytes_per_step(engine.model)
+    step_bytes = weight_bytes + kv_bytes_per_step(engine, args.context)
+    memory, step_sized = torch.ones(PROBE_BYTES // 4), torch.ones(step_bytes // 4)
     for batch in BATCHES:  # warm-up
         probe.forward(batch, 1)
     print(
-        f"model {model_dir}; {weight_bytes / 1e6:.0f} MB of weights per step; "
-        f"context {args.context}; {torch.get_num_threads()} threads; {args.runs} rounds"
+        f"model {model_dir}; the batch-1 step reads {step_bytes / 1e6:.1f} MB "
+        f"({weight_bytes / 1e6:.1f} MB of weights, the rest K/V); context {args.context}; "
+        f"{torch.get_num_threads()} threads; {args.runs} rounds"
     )
     rounds = []
     for _ in range(args.runs):
-        r: dict[str, float] = {"floor": weight_bytes / read_bandwidth(buffer)}
-        r["bandwidth"] = weight_bytes / r["floor"]
+        r: dict[str, float] = {
+            "floor": step_bytes / read_bandwidth(memory),
+            "cached_floor": step_bytes / read_bandwidth(step_sized, warm=5),
+        }
         for batch in BATCHES:
-            r[f"step{batch}"] = seconds(lambda b=batch: probe.forward(b, 1))
+            r[f"step{batch}"] = steady_seconds(lambda b=batch: probe.forward(b, 1))
             with probe.torch_path():
                 r[f"torch{batch}"] = seconds(lambda b=batch: probe.forward(b, 1))
         for k in VERIFY_TOKENS:
-            r[f"verify{k}"] = seconds(lambda k=k: probe.forward(1, k)) / r["step1"]
+            r[f"verify{k}"] = steady_seconds(lambda k=k: probe.forward(1, k)) / r["step1"]
         for batch in BATCHES:
             prompts = (chat * (batch // len(chat) + 1))[:batch]
             ours, theirs = generate_rates(engine, hf, prompts, args.new_tokens)
             r[f"ours{batch}"], r[f"hf{batch}"], r[f"gen{batch}"] = ours, theirs, ours / theirs
-        for batch in BATCHES:
-            r[f"floor{batch}"] = r[f"step{batch}"] / r["floor"]
+        r["x_floor"] = r["step1"] / r["floor"]
+        r["x_cached_floor"] = r["step1"] / r["cached_floor"]
         rounds.append(r)
         print(
-            f"  round {len(rounds)}: floor {r['floor'] * 1e3:.1f} ms, "
-            f"step1 {r['step1'] * 1e3:.1f} ms ({r['floor1']:.2f}x)",
+            f"  round {len(rounds)}: floors {r['floor'] * 1e3:.2f} / "
+            f"{r['cached_floor'] * 1e3:.2f} ms, step1 {r['step1'] * 1e3:.2f} ms "
+            f"({r['x_floor']:.2f}x / {r['x_cached_floor']:.2f}x)",
             flush=True,
         )
     m = lambda key: median_row(rounds, key)  # noqa: E731
-    print(
-        f"\nread bandwidth {m('bandwidth') / 1e9:.1f} GB/s -> floor {m('floor') * 1e3:.1f} ms/step"
-    )
-    print(f"{'batch':>5} {'step ms':>8} {'x floor':>8} {'torch path ms':>14}")
+    for name, key, size in (
+        ("512 MB", "floor", PROBE_BYTES),
+        ("step-sized", "cached_floor", step_bytes),
+    ):
+        print(
+            f"\n{name} probe: {step_bytes / m(key) / 1e9:.1f} GB/s over {size / 1e6:.0f} MB -> "
+            f"floor {m(key) * 1e3:.2f} ms; batch-1 step {m(f'x_{key}'):.2f}x it"
+        )
+    print(f"\n{'batch':>5} {'step ms':>8} {'torch path ms':>14}")
     for batch in BATCHES:
         step, torch_step = m(f"step{batch}") * 1e3, m(f"torch{batch}") * 1e3
-        print(f"{batch:>5} {step:>8.1f} {m(f'floor{batch}'):>7.2f}x {torch_step:>14.1f}")
+        print(f"{batch:>5} {step:>8.2f} {torch_step:>14.1f}")
     print(
         "\nverify k tokens, x batch-1 step: "
         + "  ".join(f"{k}:{m(f'verify{k}'):.2f}" for k in VERIFY_TOKENS)

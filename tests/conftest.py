@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from specmesh.kernels.check.suite import device
@@ -21,3 +23,36 @@ device()
 def smollm_dir() -> Path:
     """SmolLM2-135M-Instruct as an HF directory in the default cache (fetched once, then reused)."""
     return fetch_default_model()
+
+
+def _has_vnni() -> bool:
+    from specmesh.kernels.cpu import load
+
+    try:
+        kernel = load()
+        was = kernel.quant_vnni()
+        kernel.quant_vnni(True)
+        kernel.quant_vnni(was)
+    except (AttributeError, RuntimeError):  # no kernels, or no AVX-512 VNNI on this CPU
+        return False
+    return True
+
+
+@pytest.fixture(
+    params=[
+        "avx2",
+        pytest.param(
+            "avx512-vnni",
+            marks=pytest.mark.skipif(not _has_vnni(), reason="this CPU has no AVX-512 VNNI"),
+        ),
+    ]
+)
+def quant_kernel(request: pytest.FixtureRequest) -> Iterator[ModuleType]:
+    """The compiled kernels with quant_linear on each of its instruction sets this CPU has."""
+    from specmesh.kernels.cpu import load
+
+    kernel = load()
+    was = kernel.quant_vnni()
+    kernel.quant_vnni(request.param == "avx512-vnni")
+    yield kernel
+    kernel.quant_vnni(was)

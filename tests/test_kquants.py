@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import zlib
 from pathlib import Path
+from types import ModuleType
 
 import gguf
 import numpy as np
@@ -16,7 +17,7 @@ import torch
 from specmesh.kernels.cpu import load
 from specmesh.shared.model.gguf_loader import FP16_SCALES, HELD_BY_Q8_0, as_q8_0
 from specmesh.shared.model.loader import load_model
-from test_quantized import MAX_REL_ERR, serve_like_dequantized, write_gguf
+from test_quantized import MAX_REL_ERR, SERVED, serve_like_dequantized, write_gguf
 from transformers import LlamaConfig
 
 Q = gguf.GGMLQuantizationType
@@ -47,11 +48,13 @@ def dequantized(raw: np.ndarray, kind: Q) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
 @pytest.mark.parametrize(("n", "k"), [(576, 1536), (61, 512)], ids=["model-sized", "ragged-n"])
-def test_quant_linear_matches_the_dequantized_weight(kind: Q, n: int, k: int) -> None:
+def test_quant_linear_matches_the_dequantized_weight(
+    kind: Q, n: int, k: int, quant_kernel: ModuleType
+) -> None:
     """Any row count (past a job's 64 rows too), bias and residual: within the int16
     activations' error of x @ W.T; packed in about the file's bytes (Q4_K's 6-bit sub-block
     scales and mins take a byte each: 1/8 bit a weight more)."""
-    kernel = load()
+    kernel = quant_kernel
     raw = random_blocks(np.random.default_rng(n), n, k, kind)
     weight = dequantized(raw, kind)
     packed = kernel.quant_pack(torch.from_numpy(raw), int(kind))
@@ -66,11 +69,11 @@ def test_quant_linear_matches_the_dequantized_weight(kind: Q, n: int, k: int) ->
 
 
 @pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
-def test_extreme_blocks_stay_in_int32(kind: Q) -> None:
+def test_extreme_blocks_stay_in_int32(kind: Q, quant_kernel: ModuleType) -> None:
     """Every value and sub-block scale at its largest (all bits set; Q6_K's scales -128)
     against rows of one repeated value (every int16 activation +-32767): the integer sums'
     worst case stays right (an int32 overflow would be off by 2^32)."""
-    kernel, k = load(), 512
+    kernel, k = quant_kernel, 512
     values, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     blocks = np.full((8 * k // values, block_bytes), 255, np.uint8)
     at, count = FP16_SCALES[kind]  # finite scales (all bits set is NaN)
@@ -86,10 +89,10 @@ def test_extreme_blocks_stay_in_int32(kind: Q) -> None:
     assert ((ours - ref).abs().max() / ref.abs().max()).item() < MAX_REL_ERR
 
 
-@pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
-def test_a_row_does_not_depend_on_its_batch(kind: Q) -> None:
+@pytest.mark.parametrize("kind", [*SERVED, *TYPES], ids=lambda k: k.name)
+def test_a_row_does_not_depend_on_its_batch(kind: Q, quant_kernel: ModuleType) -> None:
     """Each row alone gives bit for bit what it gives among 5 (speculation stays lossless)."""
-    kernel = load()
+    kernel = quant_kernel
     raw = torch.from_numpy(random_blocks(np.random.default_rng(1), 24, 512, kind))
     packed, none = kernel.quant_pack(raw, int(kind)), torch.empty(0)
     x = torch.randn(5, 512)

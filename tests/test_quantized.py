@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import gguf
 import numpy as np
 import pytest
 import torch
 from helpers import add_llama_metadata, gguf_permute
-from specmesh.kernels.cpu import load
 from specmesh.shared.kvcache.kv_cache import KVCache
 from specmesh.shared.model.attention import SequenceSpan
 from specmesh.shared.model.loader import load_model
@@ -31,10 +31,12 @@ def blocks(weight: np.ndarray, kind: Q) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", SERVED, ids=lambda k: k.name)
 @pytest.mark.parametrize(("n", "k"), [(576, 1536), (61, 96)], ids=["model-sized", "ragged-n"])
-def test_quant_linear_matches_the_dequantized_weight(kind: Q, n: int, k: int) -> None:
+def test_quant_linear_matches_the_dequantized_weight(
+    kind: Q, n: int, k: int, quant_kernel: ModuleType
+) -> None:
     """Any row count (past a job's 64 rows too), an output count not a multiple of the
     8-column groups, bias and residual: within the int16 activations' error of x @ W.T."""
-    kernel = load()
+    kernel = quant_kernel
     rng = np.random.default_rng(n)
     raw = blocks(rng.standard_normal((n, k)).astype(np.float32) * 0.05, kind)
     weight = torch.from_numpy(np.array(gguf.quants.dequantize(raw.numpy(), kind), np.float32))

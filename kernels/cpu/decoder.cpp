@@ -426,6 +426,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm_op, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("argmax", &argmax_op, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("quant_block_bytes", &quant_block_bytes);
+  m.def("quant_vnni", &quant_vnni, pybind11::arg("enable") = pybind11::none());
   m.def("set_num_threads", &set_num_threads);
   m.def("get_num_threads", &get_num_threads);
 }

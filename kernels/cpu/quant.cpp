@@ -372,6 +372,227 @@ void group_rows(const uint8_t* g, const QuantRows& x, int64_t row, float* y, int
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ld, _mm256_add_ps(s.acc[r], s.off[r]));
 }
 
+// With AVX-512 VNNI, vpdpwssd multiplies 32 int16 pairs and adds them into 16 int32 lanes
+// in one instruction (AVX2: a madd, then an add, at half the width). A 512-bit register
+// holds two packed rows of a block's values, so its 128-bit lanes hold columns p, p + 4,
+// p + 1, p + 5 (Q8_0: lanes 0-1 column c, 2-3 column c + 1). The lanes' int32 partial sums
+// are scaled per block in fp32 where they lie (the block's scales spread to the lanes by one
+// permute), and reduced to the 8 column totals once, after the last block.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")
+namespace vnni {
+
+// The 8 values of v (lane c: column c) spread to register h's lanes of 4: (h = 0) columns
+// 0, 4, 1, 5; (h = 1) 2, 6, 3, 7; Q8_0's register j: columns 2j, 2j + 1, 8 lanes each.
+inline __m512 spread(__m256 v, const __m512i& lanes) {
+  return _mm512_permutexvar_ps(lanes, _mm512_castps256_ps512(v));
+}
+inline __m512i nibble_lanes(int h) {
+  return _mm512_set_epi32(2 * h + 5, 2 * h + 5, 2 * h + 5, 2 * h + 5, 2 * h + 1, 2 * h + 1,
+                          2 * h + 1, 2 * h + 1, 2 * h + 4, 2 * h + 4, 2 * h + 4, 2 * h + 4,
+                          2 * h, 2 * h, 2 * h, 2 * h);
+}
+inline __m512i q8_lanes(int j) {
+  const __m256i lo = _mm256_set1_epi32(2 * j), hi = _mm256_set1_epi32(2 * j + 1);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+// Rows 2h, 2h + 1 of a block's values as `::expand` reads one row, side by side.
+template <int High>
+inline void expand(const uint8_t* values, int h, __m512i w[4]) {
+  if constexpr (High == 0) {
+    const __m512i raw = _mm512_loadu_si512(values + 2 * h * QK);
+    const __m512i nibble = _mm512_set1_epi16(0x000F);
+    w[0] = _mm512_and_si512(raw, nibble);
+    w[1] = _mm512_and_si512(_mm512_srli_epi16(raw, 8), nibble);
+    w[2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+    w[3] = _mm512_srli_epi16(raw, 12);
+  } else {
+    __m256i a[4], b[4];
+    ::expand<High>(values, 2 * h, a);
+    ::expand<High>(values, 2 * h + 1, b);
+    for (int j = 0; j < 4; ++j) w[j] = _mm512_inserti64x4(_mm512_castsi256_si512(a[j]), b[j], 1);
+  }
+}
+
+inline __m512i dot(__m512i w0, __m512i x0, __m512i w1, __m512i x1) {
+  return _mm512_dpwssd_epi32(_mm512_madd_epi16(w0, x0), w1, x1);
+}
+
+// A 4-, 5- or 6-bit block's lane sums for R rows: totals[r][part][h], register h's lanes;
+// Parts 1: over the block; 2: over its values 0-15, then 16-31. Centred: q - Centre.
+template <int High, int Parts, int Centre, int R>
+inline void block_totals(const uint8_t* values, const int16_t* const xq[R],
+                         __m512i totals[R][Parts][2]) {
+  __m512i xs[R][4];  // as ::block_totals' xs, in all four lanes
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j)
+      xs[r][j] = _mm512_broadcast_i32x4(load128(xq[r] + (j % 2) * 16 + (j / 2) * 8));
+  for (int h = 0; h < 2; ++h) {
+    __m512i w[4];
+    expand<High>(values, h, w);
+    if constexpr (Centre != 0)
+      for (int j = 0; j < 4; ++j) w[j] = _mm512_sub_epi16(w[j], _mm512_set1_epi16(Centre));
+    for (int r = 0; r < R; ++r) {
+      const __m512i low = dot(w[0], xs[r][0], w[1], xs[r][1]);
+      if constexpr (Parts == 1) {
+        totals[r][0][h] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(low, w[2], xs[r][2]), w[3],
+                                              xs[r][3]);
+      } else {
+        totals[r][0][h] = low;
+        totals[r][1][h] = dot(w[2], xs[r][2], w[3], xs[r][3]);
+      }
+    }
+  }
+}
+
+// R rows' running lane sums (4 registers: Q8_0's; 2: the others') and offset terms.
+template <int R>
+struct Sums {
+  __m512 acc[R][4];
+  __m256 off[R];
+};
+
+// acc += lane totals t (register h of a block) times the block's 8 column scales.
+inline void add_scaled(__m512& acc, __m512i t, __m256 scale, const __m512i& lanes) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), spread(scale, lanes), acc);
+}
+
+// A Q8_0 block g: register j, columns 2j and 2j + 1 (16-bit lane i: values 2i, 2i + 1 as
+// even and odd), times the rows' evens and odds in both halves.
+template <int R>
+inline void q8_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a, Sums<R>& s) {
+  __m512i even_x[R], odd_x[R];
+  __m256 scale[R];
+  const __m256 d = fp16x8(g + values_bytes(GGML_Q8_0));
+  for (int r = 0; r < R; ++r) {
+    const int16_t* xq = x.values(row + r, a);
+    even_x[r] = _mm512_broadcast_i64x4(load256(xq));
+    odd_x[r] = _mm512_broadcast_i64x4(load256(xq + QK / 2));
+    scale[r] = _mm256_mul_ps(d, _mm256_set1_ps(x.scale[x.at(row + r, a)]));
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i q = _mm512_loadu_si512(g + 2 * j * QK);
+    const __m512i even = _mm512_srai_epi16(_mm512_slli_epi16(q, 8), 8);
+    const __m512i odd = _mm512_srai_epi16(q, 8);
+    for (int r = 0; r < R; ++r)
+      add_scaled(s.acc[r][j], dot(even, even_x[r], odd, odd_x[r]), scale[r], q8_lanes(j));
+  }
+}
+
+// A 32-weight block g of the 4- and 5-bit types, as ::small_block.
+template <int64_t Type, int R>
+inline void small_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a,
+                        Sums<R>& s) {
+  const int16_t* xq[R];
+  for (int r = 0; r < R; ++r) xq[r] = x.values(row + r, a);
+  __m512i totals[R][1][2];
+  block_totals<high_bits(Type), 1, 0, R>(g, xq, totals);
+  const __m256 d = fp16x8(g + values_bytes(Type));
+  __m256 m;
+  if constexpr (stored_offset(Type)) m = fp16x8(g + values_bytes(Type) + 2 * GROUP);
+  else m = _mm256_mul_ps(d, _mm256_set1_ps(-centre(Type)));
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = x.at(row + r, a);
+    const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x.scale[i]));
+    for (int h = 0; h < 2; ++h) add_scaled(s.acc[r][h], totals[r][0][h], scale, nibble_lanes(h));
+    s.off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum[i]), s.off[r]);
+  }
+}
+
+// A Q4_K superblock, as ::q4k_block.
+template <int R>
+inline void q4k_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a, Sums<R>& s) {
+  const __m256 d = fp16x8(g), dmin = fp16x8(g + 2 * GROUP);
+  const uint8_t* scales = g + 4 * GROUP;
+  const uint8_t* mins = scales + SUBS * GROUP;
+  const uint8_t* values = g + header_bytes(GGML_Q4_K);
+  for (int64_t j = 0; j < SUBS; ++j, values += values_bytes(GGML_Q4_K)) {
+    const int16_t* xq[R];
+    for (int r = 0; r < R; ++r) xq[r] = x.values(row + r, a + j);
+    __m512i totals[R][1][2];
+    block_totals<0, 1, 0, R>(values, xq, totals);
+    const __m256 scale = _mm256_mul_ps(d, u8x8(scales + j * GROUP));
+    const __m256 min = _mm256_mul_ps(dmin, u8x8(mins + j * GROUP));
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = x.at(row + r, a + j);
+      const __m256 dx_scale = _mm256_mul_ps(scale, _mm256_set1_ps(x.scale[i]));
+      for (int h = 0; h < 2; ++h)
+        add_scaled(s.acc[r][h], totals[r][0][h], dx_scale, nibble_lanes(h));
+      s.off[r] = _mm256_fnmadd_ps(min, _mm256_set1_ps(x.scaled_sum[i]), s.off[r]);
+    }
+  }
+}
+
+// A Q6_K superblock, as ::q6k_block but with q - 32 multiplied (int16 holds it), so its
+// sub-blocks need no centring term.
+template <int R>
+inline void q6k_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a, Sums<R>& s) {
+  const __m256 d = fp16x8(g);
+  const uint8_t* scales = g + 2 * GROUP;
+  const uint8_t* values = g + header_bytes(GGML_Q6_K);
+  for (int64_t j = 0; j < SUBS; ++j, values += values_bytes(GGML_Q6_K)) {
+    const int16_t* xq[R];
+    for (int r = 0; r < R; ++r) xq[r] = x.values(row + r, a + j);
+    __m512i totals[R][2][2];
+    block_totals<2, 2, centre(GGML_Q6_K), R>(values, xq, totals);
+    const __m256 scale[2] = {_mm256_mul_ps(d, i8x8(scales + 2 * j * GROUP)),
+                             _mm256_mul_ps(d, i8x8(scales + (2 * j + 1) * GROUP))};
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(x.scale[x.at(row + r, a + j)]);
+      for (int part = 0; part < 2; ++part)
+        for (int h = 0; h < 2; ++h)
+          add_scaled(s.acc[r][h], totals[r][part][h], _mm256_mul_ps(scale[part], dx),
+                     nibble_lanes(h));
+    }
+  }
+}
+
+// The 8 column totals of lane sums: 4 registers (Q8_0) of two columns' 8 lanes, or 2 of
+// four columns' 4 lanes (columns 0, 4, 1, 5 and 2, 6, 3, 7), column c in lane c.
+inline __m256 lo(__m512 v) { return _mm512_castps512_ps256(v); }
+inline __m256 hi(__m512 v) { return _mm512_extractf32x8_ps(v, 1); }
+inline __m256 column_totals(const __m512 acc[4], bool q8) {
+  if (!q8) {  // [c0 c1 c2 c3 | c4 c5 c6 c7] after two rounds of pairwise sums
+    return _mm256_hadd_ps(_mm256_hadd_ps(lo(acc[0]), hi(acc[0])),
+                          _mm256_hadd_ps(lo(acc[1]), hi(acc[1])));
+  }
+  __m256 pair[4];  // [c2j c2j c2j+1 c2j+1 | the same of lanes 4-7]
+  for (int j = 0; j < 4; ++j) pair[j] = _mm256_hadd_ps(lo(acc[j]), hi(acc[j]));
+  const __m256 low = _mm256_hadd_ps(pair[0], pair[1]), high = _mm256_hadd_ps(pair[2], pair[3]);
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                       _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+// One group's 8 outputs for rows row..row+R-1, as ::group_rows.
+template <int64_t Type, int R>
+void group_rows(const uint8_t* g, const QuantRows& x, int64_t row, float* y, int64_t ld) {
+  Sums<R> s;
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) s.acc[r][j] = _mm512_setzero_ps();
+    s.off[r] = _mm256_setzero_ps();
+  }
+  constexpr int64_t step = block_weights(Type) / QK;
+  for (int64_t a = 0; a < x.blocks; a += step, g += group_bytes(Type)) {
+    for (int64_t line = 0; line < group_bytes(Type); line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(g + PREFETCH_BYTES + line), _MM_HINT_T0);
+    if constexpr (Type == GGML_Q8_0) q8_block<R>(g, x, row, a, s);
+    else if constexpr (Type == GGML_Q4_K) q4k_block<R>(g, x, row, a, s);
+    else if constexpr (Type == GGML_Q6_K) q6k_block<R>(g, x, row, a, s);
+    else small_block<Type, R>(g, x, row, a, s);
+  }
+  for (int r = 0; r < R; ++r)
+    _mm256_storeu_ps(y + r * ld,
+                     _mm256_add_ps(column_totals(s.acc[r], Type == GGML_Q8_0), s.off[r]));
+}
+
+}  // namespace vnni
+#pragma GCC pop_options
+
+const bool HAS_VNNI = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+bool use_vnni = HAS_VNNI;
+
 template <int64_t Type>
 void linear(const QuantRows& x, int64_t rows, const uint8_t* packed, int64_t n, const float* bias,
             const float* residual, float* y) {
@@ -388,8 +609,14 @@ void linear(const QuantRows& x, int64_t rows, const uint8_t* packed, int64_t n, 
         const int64_t cols = std::min(GROUP, n - g * GROUP);
         for (int64_t r = r0; r < r1; r += 2) {
           const int64_t count = std::min<int64_t>(2, r1 - r);
-          if (count == 2) group_rows<Type, 2>(packed + g * stride, x, r, out, GROUP);
-          else group_rows<Type, 1>(packed + g * stride, x, r, out, GROUP);
+          const uint8_t* w = packed + g * stride;
+          if (use_vnni) {
+            if (count == 2) vnni::group_rows<Type, 2>(w, x, r, out, GROUP);
+            else vnni::group_rows<Type, 1>(w, x, r, out, GROUP);
+          } else {
+            if (count == 2) group_rows<Type, 2>(w, x, r, out, GROUP);
+            else group_rows<Type, 1>(w, x, r, out, GROUP);
+          }
           for (int64_t i = 0; i < count; ++i)
             for (int64_t c = 0; c < cols; ++c) {
               const int64_t col = g * GROUP + c;
@@ -581,6 +808,12 @@ Tensor quant_pack(const Tensor& weight, int64_t type) {
     pack<T>(weight.data_ptr<uint8_t>(), n, blocks, out.data_ptr<uint8_t>());
     return out;
   });
+}
+
+bool quant_vnni(std::optional<bool> enable) {
+  TORCH_CHECK(!enable.value_or(false) || HAS_VNNI, "this CPU has no AVX-512 VNNI");
+  if (enable) use_vnni = *enable;
+  return use_vnni;
 }
 
 Tensor quant_linear(const Tensor& x, const Tensor& packed, int64_t type, int64_t n,

@@ -35,3 +35,8 @@ torch::Tensor quant_pack(const torch::Tensor& weight, int64_t type);
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t type,
                            int64_t n, const torch::Tensor& bias,
                            const std::optional<torch::Tensor>& residual);
+
+// Whether quant_linear runs its AVX-512 VNNI kernels (by default where the CPU has them:
+// the same products, summed in another order). `enable` switches them, for tests and
+// side-by-side runs; never while serving, since a sequence's logits would change mid-way.
+bool quant_vnni(std::optional<bool> enable);
