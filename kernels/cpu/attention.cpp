@@ -295,6 +295,15 @@ void partial_attention(const float* q, int64_t group, int64_t dim, const KVHead&
     const float* rows[8];
     for (int t = 0; t < 8; ++t)
       rows[t] = kv.k + chunk.ctx[std::min(j + t, n - 1)] * kv.stride + kv.offset;
+    // The next 8 keys' K and V lines, requested while these are scored: slots are rows
+    // of all KV heads, so the hardware prefetchers do not follow one head's lines.
+    for (int64_t t = j + 8; t < std::min(n, j + 16); ++t) {
+      const int64_t at = chunk.ctx[t] * kv.stride + kv.offset;
+      for (int64_t d = 0; d < dim; d += 64 / sizeof(float)) {
+        _mm_prefetch(reinterpret_cast<const char*>(kv.k + at + d), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(kv.v + at + d), _MM_HINT_T0);
+      }
+    }
     for (int64_t h = 0; h < group; ++h)
       _mm256_storeu_ps(p + h * padded + j, _mm256_mul_ps(dot8(q + h * dim, rows, dim), scaling));
   }
