@@ -53,7 +53,8 @@ def main() -> None:
     args = parser.parse_args()
     set_num_threads(args.threads)
     kernel, rng = load(), np.random.default_rng(0)
-    isas = args.kernels.split(",") if args.kernels else ["vnni" if kernel.quant_vnni() else "avx2"]
+    default = kernel.quant_vnni()
+    isas = args.kernels.split(",") if args.kernels else ["vnni" if default else "avx2"]
     pair_bytes = sum(n * k * 5 / 8 for n, k in SHAPES)  # Q4_1: 5 bits a weight
     shapes = SHAPES * round(args.mb * 1e6 / pair_bytes)
     packed = {
@@ -61,7 +62,6 @@ def main() -> None:
         for kind in SERVED_BLOCK_TYPES
     }
     none = torch.empty(0)
-    default = kernel.quant_vnni()
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k) for k in {k for _, k in shapes}}
         times: dict[tuple[Q, str], list[float]] = {}

@@ -275,6 +275,40 @@ inline void q8_totals(const uint8_t* values, const int16_t* const xq[R], __m256i
   for (int r = 0; r < R; ++r) totals[r][0] = column_totals(pairs[r]);
 }
 
+// Shared by both kernels: a block's activation rows, and what they read of a group's block g
+// besides its values (8 columns' scales, column c in lane c; where the values lie).
+template <int R>
+inline void row_values(const QuantRows& x, int64_t row, int64_t a, const int16_t* xq[R]) {
+  for (int r = 0; r < R; ++r) xq[r] = x.values(row + r, a);
+}
+// A 32-weight block's offsets m: in the file (Q4_1, Q5_1), or -centre d.
+template <int64_t Type>
+inline __m256 block_offsets(const uint8_t* g, __m256 d) {
+  if constexpr (stored_offset(Type)) return fp16x8(g + values_bytes(Type) + 2 * GROUP);
+  else return _mm256_mul_ps(d, _mm256_set1_ps(-centre(Type)));
+}
+// A K-quant superblock's sub-block (activation block) j's values.
+inline const uint8_t* sub_values(int64_t type, const uint8_t* g, int64_t j) {
+  return g + header_bytes(type) + j * values_bytes(type);
+}
+// Q4_K sub-block j's d s_j and dmin m_j.
+inline void q4k_scales(const uint8_t* g, int64_t j, __m256& scale, __m256& min) {
+  const uint8_t* scales = g + 4 * GROUP;
+  scale = _mm256_mul_ps(fp16x8(g), u8x8(scales + j * GROUP));
+  min = _mm256_mul_ps(fp16x8(g + 2 * GROUP), u8x8(scales + (SUBS + j) * GROUP));
+}
+// Q6_K activation block j's two 16-weight sub-blocks' d s.
+inline void q6k_scales(const uint8_t* g, int64_t j, __m256 scale[2]) {
+  for (int half = 0; half < 2; ++half)
+    scale[half] = _mm256_mul_ps(fp16x8(g), i8x8(g + 2 * GROUP + (2 * j + half) * GROUP));
+}
+// The weight lines PREFETCH_BYTES past block g requested.
+template <int64_t Type>
+inline void prefetch_ahead(const uint8_t* g) {
+  for (int64_t line = 0; line < group_bytes(Type); line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(g + PREFETCH_BYTES + line), _MM_HINT_T0);
+}
+
 // R rows' running sums of a group's 8 outputs: the scaled totals and the offset terms.
 template <int R>
 struct Sums {
@@ -287,7 +321,7 @@ template <int64_t Type, int R>
 inline void small_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a,
                         Sums<R>& s) {
   const int16_t* xq[R];
-  for (int r = 0; r < R; ++r) xq[r] = x.values(row + r, a);
+  row_values<R>(x, row, a, xq);
   __m256i totals[R][1];
   if constexpr (Type == GGML_Q8_0) q8_totals<R>(g, xq, totals);
   else block_totals<high_bits(Type), 1, R>(g, xq, totals);
@@ -297,9 +331,7 @@ inline void small_block(const uint8_t* g, const QuantRows& x, int64_t row, int64
     s.acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals[r][0]), scale, s.acc[r]);
   }
   if constexpr (Type != GGML_Q8_0) {
-    __m256 m;
-    if constexpr (stored_offset(Type)) m = fp16x8(g + values_bytes(Type) + 2 * GROUP);
-    else m = _mm256_mul_ps(d, _mm256_set1_ps(-centre(Type)));
+    const __m256 m = block_offsets<Type>(g, d);
     for (int r = 0; r < R; ++r)
       s.off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum[x.at(row + r, a)]), s.off[r]);
   }
@@ -309,17 +341,13 @@ inline void small_block(const uint8_t* g, const QuantRows& x, int64_t row, int64
 // acc += d s_j dx sum q xq, off -= dmin m_j dx sum xq.
 template <int R>
 inline void q4k_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a, Sums<R>& s) {
-  const __m256 d = fp16x8(g), dmin = fp16x8(g + 2 * GROUP);
-  const uint8_t* scales = g + 4 * GROUP;
-  const uint8_t* mins = scales + SUBS * GROUP;
-  const uint8_t* values = g + header_bytes(GGML_Q4_K);
-  for (int64_t j = 0; j < SUBS; ++j, values += values_bytes(GGML_Q4_K)) {
+  for (int64_t j = 0; j < SUBS; ++j) {
     const int16_t* xq[R];
-    for (int r = 0; r < R; ++r) xq[r] = x.values(row + r, a + j);
+    row_values<R>(x, row, a + j, xq);
     __m256i totals[R][1];
-    block_totals<0, 1, R>(values, xq, totals);
-    const __m256 scale = _mm256_mul_ps(d, u8x8(scales + j * GROUP));
-    const __m256 min = _mm256_mul_ps(dmin, u8x8(mins + j * GROUP));
+    block_totals<0, 1, R>(sub_values(GGML_Q4_K, g, j), xq, totals);
+    __m256 scale, min;
+    q4k_scales(g, j, scale, min);
     for (int r = 0; r < R; ++r) {
       const int64_t i = x.at(row + r, a + j);
       const __m256 dx_scale = _mm256_mul_ps(scale, _mm256_set1_ps(x.scale[i]));
@@ -333,16 +361,13 @@ inline void q4k_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t
 // acc += d dx (s_A (sum_A q xq - 32 sum_A xq) + s_B (sum_B q xq - 32 sum_B xq)).
 template <int R>
 inline void q6k_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a, Sums<R>& s) {
-  const __m256 d = fp16x8(g);
-  const uint8_t* scales = g + 2 * GROUP;
-  const uint8_t* values = g + header_bytes(GGML_Q6_K);
-  for (int64_t j = 0; j < SUBS; ++j, values += values_bytes(GGML_Q6_K)) {
+  for (int64_t j = 0; j < SUBS; ++j) {
     const int16_t* xq[R];
-    for (int r = 0; r < R; ++r) xq[r] = x.values(row + r, a + j);
+    row_values<R>(x, row, a + j, xq);
     __m256i totals[R][2];
-    block_totals<2, 2, R>(values, xq, totals);
-    const __m256 scale[2] = {_mm256_mul_ps(d, i8x8(scales + 2 * j * GROUP)),
-                             _mm256_mul_ps(d, i8x8(scales + (2 * j + 1) * GROUP))};
+    block_totals<2, 2, R>(sub_values(GGML_Q6_K, g, j), xq, totals);
+    __m256 scale[2];
+    q6k_scales(g, j, scale);
     for (int r = 0; r < R; ++r) {
       const int64_t i = x.at(row + r, a + j);
       __m256 sum = _mm256_setzero_ps();
@@ -363,8 +388,7 @@ void group_rows(const uint8_t* g, const QuantRows& x, int64_t row, float* y, int
   for (int r = 0; r < R; ++r) s.acc[r] = s.off[r] = _mm256_setzero_ps();
   constexpr int64_t step = block_weights(Type) / QK;  // activation blocks per GGUF block
   for (int64_t a = 0; a < x.blocks; a += step, g += group_bytes(Type)) {
-    for (int64_t line = 0; line < group_bytes(Type); line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(g + PREFETCH_BYTES + line), _MM_HINT_T0);
+    prefetch_ahead<Type>(g);
     if constexpr (Type == GGML_Q4_K) q4k_block<R>(g, x, row, a, s);
     else if constexpr (Type == GGML_Q6_K) q6k_block<R>(g, x, row, a, s);
     else small_block<Type, R>(g, x, row, a, s);
@@ -485,13 +509,10 @@ template <int64_t Type, int R>
 inline void small_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a,
                         Sums<R>& s) {
   const int16_t* xq[R];
-  for (int r = 0; r < R; ++r) xq[r] = x.values(row + r, a);
+  row_values<R>(x, row, a, xq);
   __m512i totals[R][1][2];
   block_totals<high_bits(Type), 1, 0, R>(g, xq, totals);
-  const __m256 d = fp16x8(g + values_bytes(Type));
-  __m256 m;
-  if constexpr (stored_offset(Type)) m = fp16x8(g + values_bytes(Type) + 2 * GROUP);
-  else m = _mm256_mul_ps(d, _mm256_set1_ps(-centre(Type)));
+  const __m256 d = fp16x8(g + values_bytes(Type)), m = block_offsets<Type>(g, d);
   for (int r = 0; r < R; ++r) {
     const int64_t i = x.at(row + r, a);
     const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x.scale[i]));
@@ -503,17 +524,13 @@ inline void small_block(const uint8_t* g, const QuantRows& x, int64_t row, int64
 // A Q4_K superblock, as ::q4k_block.
 template <int R>
 inline void q4k_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a, Sums<R>& s) {
-  const __m256 d = fp16x8(g), dmin = fp16x8(g + 2 * GROUP);
-  const uint8_t* scales = g + 4 * GROUP;
-  const uint8_t* mins = scales + SUBS * GROUP;
-  const uint8_t* values = g + header_bytes(GGML_Q4_K);
-  for (int64_t j = 0; j < SUBS; ++j, values += values_bytes(GGML_Q4_K)) {
+  for (int64_t j = 0; j < SUBS; ++j) {
     const int16_t* xq[R];
-    for (int r = 0; r < R; ++r) xq[r] = x.values(row + r, a + j);
+    row_values<R>(x, row, a + j, xq);
     __m512i totals[R][1][2];
-    block_totals<0, 1, 0, R>(values, xq, totals);
-    const __m256 scale = _mm256_mul_ps(d, u8x8(scales + j * GROUP));
-    const __m256 min = _mm256_mul_ps(dmin, u8x8(mins + j * GROUP));
+    block_totals<0, 1, 0, R>(sub_values(GGML_Q4_K, g, j), xq, totals);
+    __m256 scale, min;
+    q4k_scales(g, j, scale, min);
     for (int r = 0; r < R; ++r) {
       const int64_t i = x.at(row + r, a + j);
       const __m256 dx_scale = _mm256_mul_ps(scale, _mm256_set1_ps(x.scale[i]));
@@ -528,16 +545,13 @@ inline void q4k_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t
 // sub-blocks need no centring term.
 template <int R>
 inline void q6k_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a, Sums<R>& s) {
-  const __m256 d = fp16x8(g);
-  const uint8_t* scales = g + 2 * GROUP;
-  const uint8_t* values = g + header_bytes(GGML_Q6_K);
-  for (int64_t j = 0; j < SUBS; ++j, values += values_bytes(GGML_Q6_K)) {
+  for (int64_t j = 0; j < SUBS; ++j) {
     const int16_t* xq[R];
-    for (int r = 0; r < R; ++r) xq[r] = x.values(row + r, a + j);
+    row_values<R>(x, row, a + j, xq);
     __m512i totals[R][2][2];
-    block_totals<2, 2, centre(GGML_Q6_K), R>(values, xq, totals);
-    const __m256 scale[2] = {_mm256_mul_ps(d, i8x8(scales + 2 * j * GROUP)),
-                             _mm256_mul_ps(d, i8x8(scales + (2 * j + 1) * GROUP))};
+    block_totals<2, 2, centre(GGML_Q6_K), R>(sub_values(GGML_Q6_K, g, j), xq, totals);
+    __m256 scale[2];
+    q6k_scales(g, j, scale);
     for (int r = 0; r < R; ++r) {
       const __m256 dx = _mm256_set1_ps(x.scale[x.at(row + r, a + j)]);
       for (int part = 0; part < 2; ++part)
@@ -574,8 +588,7 @@ void group_rows(const uint8_t* g, const QuantRows& x, int64_t row, float* y, int
   }
   constexpr int64_t step = block_weights(Type) / QK;
   for (int64_t a = 0; a < x.blocks; a += step, g += group_bytes(Type)) {
-    for (int64_t line = 0; line < group_bytes(Type); line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(g + PREFETCH_BYTES + line), _MM_HINT_T0);
+    prefetch_ahead<Type>(g);
     if constexpr (Type == GGML_Q8_0) q8_block<R>(g, x, row, a, s);
     else if constexpr (Type == GGML_Q4_K) q4k_block<R>(g, x, row, a, s);
     else if constexpr (Type == GGML_Q6_K) q6k_block<R>(g, x, row, a, s);
@@ -600,6 +613,10 @@ void linear(const QuantRows& x, int64_t rows, const uint8_t* packed, int64_t n, 
   const int64_t stride = x.blocks * QK / block_weights(Type) * group_bytes(Type);
   const int64_t col_jobs = (groups + JOB_GROUPS - 1) / JOB_GROUPS;
   const int64_t row_jobs = (rows + JOB_ROWS - 1) / JOB_ROWS;
+  // passes[n - 1]: the kernel for n rows, chosen once a call
+  using Pass = void (*)(const uint8_t*, const QuantRows&, int64_t, float*, int64_t);
+  const Pass passes[2] = {use_vnni ? vnni::group_rows<Type, 1> : group_rows<Type, 1>,
+                          use_vnni ? vnni::group_rows<Type, 2> : group_rows<Type, 2>};
   parallel_jobs(col_jobs * row_jobs, [&](int64_t begin, int64_t end) {
     alignas(32) float out[2 * GROUP];
     for (int64_t job = begin; job < end; ++job) {
@@ -609,14 +626,7 @@ void linear(const QuantRows& x, int64_t rows, const uint8_t* packed, int64_t n, 
         const int64_t cols = std::min(GROUP, n - g * GROUP);
         for (int64_t r = r0; r < r1; r += 2) {
           const int64_t count = std::min<int64_t>(2, r1 - r);
-          const uint8_t* w = packed + g * stride;
-          if (use_vnni) {
-            if (count == 2) vnni::group_rows<Type, 2>(w, x, r, out, GROUP);
-            else vnni::group_rows<Type, 1>(w, x, r, out, GROUP);
-          } else {
-            if (count == 2) group_rows<Type, 2>(w, x, r, out, GROUP);
-            else group_rows<Type, 1>(w, x, r, out, GROUP);
-          }
+          passes[count - 1](packed + g * stride, x, r, out, GROUP);
           for (int64_t i = 0; i < count; ++i)
             for (int64_t c = 0; c < cols; ++c) {
               const int64_t col = g * GROUP + c;
