@@ -3,7 +3,7 @@ token while a long prompt is being prefilled.
 
     python benchmarks/bench_prefill.py [--model DIR] [--lengths 2048,8190] [--runs 3]
         [--setups specmesh,transformers,llama.cpp] [--llama-server PATH --gguf FILE]
-        [--fairness]
+        [--quantization gguf] [--fairness]
 
 Prefill: one prompt of each length (held-out chat text, cut to that many tokens), the time
 to its first token (greedy), for: `specmesh`, the in-process engine with its defaults
@@ -11,6 +11,9 @@ to its first token (greedy), for: `specmesh`, the in-process engine with its def
 the whole prompt (AutoModelForCausalLM, fp32, SDPA); `llama.cpp`, `llama-server` on an F32
 GGUF of the model (`/completion`, `n_predict` 1, no prompt cache). The setups take turns
 within each run; medians of `--runs`, and ratios within a run. The first tokens must agree.
+`--quantization gguf`: specmesh on the model's own GGUF blocks as they ship, and
+llama-server on that same file (transformers stays fp32; where llama.cpp's int8
+activations pick another first token, the script warns).
 
 `--fairness`: `specmesh up`; an 8,190-token prompt is sent, and from 0.2 s later until it
 is answered, a short streamed chat every few seconds; prints each short one's time to its
@@ -40,6 +43,7 @@ from peers.llama_cpp import llama_cpp_paths, llama_server  # noqa: E402
 from specmesh.shared.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from specmesh.shared.infra import start_nats  # noqa: E402
 from specmesh.shared.model.fetch import fetch_default_model  # noqa: E402
+from specmesh.shared.model.gguf_loader import SOURCE_GGUF  # noqa: E402
 from specmesh.shared.sampling.params import SamplingParams  # noqa: E402
 from specmesh.shared.tokenizer import Tokenizer  # noqa: E402
 
@@ -62,9 +66,12 @@ def prompt_ids(tok: Tokenizer, length: int) -> list[int]:
     return ids[:length]
 
 
-def prefill_engine(model: Path, longest: int) -> LLMEngine:
+def prefill_engine(model: Path, longest: int, quantization: str | None = None) -> LLMEngine:
     """The engine with its defaults, its KV cache sized for a `longest`-token prompt."""
-    return LLMEngine(EngineConfig(model=str(model), kv_cache_gb=0.1 + longest * 6e-5))
+    config = EngineConfig(
+        model=str(model), kv_cache_gb=0.1 + longest * 6e-5, quantization=quantization
+    )
+    return LLMEngine(config)
 
 
 def timed_prefill(engine: LLMEngine, ids: list[int]) -> tuple[float, int]:
@@ -75,8 +82,8 @@ def timed_prefill(engine: LLMEngine, ids: list[int]) -> tuple[float, int]:
     return time.perf_counter() - start, out[0]
 
 
-def specmesh(model: Path, longest: int) -> Prefill:
-    return functools.partial(timed_prefill, prefill_engine(model, longest))
+def specmesh(model: Path, longest: int, quantization: str | None) -> Prefill:
+    return functools.partial(timed_prefill, prefill_engine(model, longest, quantization))
 
 
 def transformers_forward(model: Path) -> Prefill:
@@ -177,6 +184,7 @@ def main() -> None:
     parser.add_argument("--setups", default=",".join(SETUPS))
     parser.add_argument("--llama-server", default=None)
     parser.add_argument("--gguf", default=None)
+    parser.add_argument("--quantization", choices=["gguf"], default=None)
     parser.add_argument("--fairness", action="store_true")
     args = parser.parse_args()
     model = Path(args.model) if args.model else fetch_default_model()
@@ -185,17 +193,20 @@ def main() -> None:
     names = [name for name in args.setups.split(",") if name]  # none: only --fairness
     setups: dict[str, Prefill] = {}
     if "specmesh" in names:
-        setups["specmesh"] = specmesh(model, max(prompts))
+        setups["specmesh"] = specmesh(model, max(prompts), args.quantization)
     if "transformers" in names:
         setups["transformers"] = transformers_forward(model)
     if "llama.cpp" in names:
         server, gguf = (args.llama_server, args.gguf) if args.gguf else llama_cpp_paths(model)
+        if args.quantization and not args.gguf:
+            gguf = str(model / SOURCE_GGUF)
         with llama_server(server, gguf, "-np", "1", "-c", str(max(prompts) + 16)) as url:
             setups["llama.cpp"] = llama_cpp(url)
             measure(setups, prompts, args.runs)
     elif setups:
         measure(setups, prompts, args.runs)
-    print(f"{torch.get_num_threads()} threads; {' '.join(names)}")
+    weights = args.quantization or "fp32"
+    print(f"{torch.get_num_threads()} threads; {' '.join(names)}; weights {weights}")
     if args.fairness:
         fairness(model, tok)
 
