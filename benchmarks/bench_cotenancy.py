@@ -2,6 +2,7 @@
 
     python benchmarks/bench_cotenancy.py [--model DIR] [--new-tokens 128] [--runs 3]
         [--setups engine,services,EAGLE3,NGRAM,llama.cpp] [--llama-server PATH --gguf FILE]
+        [--time-limit 300]
 
 The neighbour is what a user starts in another terminal: `nice -n N python3 -c "while
 True: pass"` in a session of its own (so, where the kernel groups sessions, it competes
@@ -18,7 +19,10 @@ measured under every condition in turn (quiet, nice 19, nice 0, then again for `
 Each setup answers the held-out chat prompts greedily, `--new-tokens` tokens each
 (ignore_eos), one at a time (c=1: the first 4 prompts) and eight at once (c=8: 8 prompts).
 It prints generated tokens/s per condition (medians over the runs) and the share of the
-quiet speed each busy condition keeps (ratios within a run, then their median).
+quiet speed each busy condition keeps (ratios within a run, then their median). Over HTTP
+the answers stream, and a measurement stops at `--time-limit` seconds (or where an answer's
+stream is silent for a minute): its rate is then the tokens streamed by then over that
+time, marked `*` (a server starved by the neighbour would otherwise hold the run for hours).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -53,9 +58,18 @@ CHAT = json.loads((HERE / "prompts" / "chat_heldout.json").read_text())
 CONDITIONS = {"quiet": None, "nice 19": 19, "nice 0": 0}
 CONCURRENCY = {1: CHAT[:4], 8: CHAT[:8]}
 SETUPS = ("engine", "services", "EAGLE3", "NGRAM", "llama.cpp")
+READ_SECONDS = 60.0  # an answer's stream silent this long counts as stopped
 
-# tokens/s of one setup at one concurrency
-Measure = Callable[[int], float]
+
+class Rate(NamedTuple):
+    """Generated tokens/s of one measurement; `complete`: every answer finished in time."""
+
+    tokens_per_s: float
+    complete: bool = True
+
+
+# one setup's rate at one concurrency
+Measure = Callable[[int], Rate]
 
 
 @contextlib.contextmanager
@@ -74,25 +88,47 @@ def busy_loop(nice: int | None) -> Iterator[None]:
         proc.wait()
 
 
-def over_http(url: str, concurrency: int, new_tokens: int) -> float:
-    """Generated tokens/s of the chat prompts sent `concurrency` at a time."""
+def over_http(url: str, concurrency: int, new_tokens: int, limit: float) -> Rate:
+    """Generated tokens/s of the chat prompts sent `concurrency` at a time, streamed; past
+    `limit` seconds (or a read silent for READ_SECONDS) an answer stops where it is, and
+    the rate counts what came by then."""
+    start = time.perf_counter()
+    deadline = start + limit
 
-    def one(prompt: str) -> int:
+    def one(prompt: str) -> tuple[int, bool]:
+        """(tokens, whether the answer finished before the deadline)."""
+        if time.perf_counter() > deadline:
+            return 0, False
         body = {
             "messages": [{"role": "user", "content": prompt}],
             "temperature": 0,
             "max_tokens": new_tokens,
             "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
         }
-        response = client.post(f"{url}/v1/chat/completions", json=body)
-        response.raise_for_status()
-        return response.json()["usage"]["completion_tokens"]
+        chunks = 0  # both servers stream a content chunk a token
+        try:
+            with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+                response.raise_for_status()
+                for line in response.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[len("data: ") :])
+                    if event.get("usage"):
+                        return event["usage"]["completion_tokens"], True
+                    chunks += any(c["delta"].get("content") for c in event["choices"])
+                    if time.perf_counter() > deadline:
+                        return chunks, False
+        except httpx.ReadTimeout:
+            return chunks, False
+        raise RuntimeError(f"{url} closed an answer without its usage")
 
-    with httpx.Client(timeout=1800) as client:
-        start = time.perf_counter()
+    with httpx.Client(timeout=READ_SECONDS) as client:
         with ThreadPoolExecutor(concurrency) as pool:
-            tokens = sum(pool.map(one, CONCURRENCY[concurrency]))
-        return tokens / (time.perf_counter() - start)
+            answers = list(pool.map(one, CONCURRENCY[concurrency]))
+    seconds = min(time.perf_counter(), deadline) - start
+    return Rate(sum(tokens for tokens, _ in answers) / seconds, all(done for _, done in answers))
 
 
 @contextlib.contextmanager
@@ -105,35 +141,35 @@ def engine_setup(model: Path, new_tokens: int) -> Iterator[Measure]:
     }
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
 
-    def measure(concurrency: int) -> float:
+    def measure(concurrency: int) -> Rate:
         start = time.perf_counter()
         batches = [
             ids[concurrency][i : i + concurrency]
             for i in range(0, len(ids[concurrency]), concurrency)
         ]
         tokens = sum(len(out) for batch in batches for out in engine.generate(batch, params))
-        return tokens / (time.perf_counter() - start)
+        return Rate(tokens / (time.perf_counter() - start))
 
     yield measure
 
 
 @contextlib.contextmanager
-def services_setup(model: Path, new_tokens: int, *up: str) -> Iterator[Measure]:
+def services_setup(model: Path, new_tokens: int, limit: float, *up: str) -> Iterator[Measure]:
     with start_nats() as bus, specmesh_up(model, *up, "--nats-url", bus.url) as url:
-        yield lambda c: over_http(url, c, new_tokens)
+        yield lambda c: over_http(url, c, new_tokens, limit)
 
 
 @contextlib.contextmanager
-def llama_cpp_setup(server: str, gguf: str, new_tokens: int) -> Iterator[Measure]:
+def llama_cpp_setup(server: str, gguf: str, new_tokens: int, limit: float) -> Iterator[Measure]:
     with llama_server(server, gguf, "-np", "8", "-c", "8192") as url:
-        yield lambda c: over_http(url, c, new_tokens)
+        yield lambda c: over_http(url, c, new_tokens, limit)
 
 
-def measure_setup(measure: Measure, runs: int) -> dict[tuple[str, int], list[float]]:
-    """tokens/s per (condition, concurrency), one entry per run."""
+def measure_setup(measure: Measure, runs: int) -> dict[tuple[str, int], list[Rate]]:
+    """Rates per (condition, concurrency), one entry per run."""
     for c in CONCURRENCY:  # warm-up: compiled paths, caches, first-request costs
         measure(c)
-    rates: dict[tuple[str, int], list[float]] = {}
+    rates: dict[tuple[str, int], list[Rate]] = {}
     for _ in range(runs):
         for condition, nice in CONDITIONS.items():
             with busy_loop(nice):
@@ -142,14 +178,20 @@ def measure_setup(measure: Measure, runs: int) -> dict[tuple[str, int], list[flo
     return rates
 
 
-def report(name: str, rates: dict[tuple[str, int], list[float]]) -> None:
+def report(name: str, rates: dict[tuple[str, int], list[Rate]]) -> None:
+    def cell(condition: str, c: int) -> str:
+        """The median rate, `*` where a run stopped at the time limit."""
+        runs = rates[(condition, c)]
+        mark = "" if all(r.complete for r in runs) else "*"
+        return f"{statistics.median(r.tokens_per_s for r in runs):>6.1f}{mark:1}"
+
     for c in CONCURRENCY:
-        quiet = rates[("quiet", c)]
-        cells = [f"{statistics.median(quiet):>7.1f}"]
+        quiet = [r.tokens_per_s for r in rates[("quiet", c)]]
+        cells = [cell("quiet", c)]
         for condition in list(CONDITIONS)[1:]:
-            busy = rates[(condition, c)]
+            busy = [r.tokens_per_s for r in rates[(condition, c)]]
             kept = statistics.median(b / q for b, q in zip(busy, quiet, strict=True))
-            cells.append(f"{statistics.median(busy):>7.1f} ({kept:>4.0%})")
+            cells.append(f"{cell(condition, c)} ({kept:>4.0%})")
         print(f"{name:<10} {c:>4}  " + "  ".join(cells), flush=True)
 
 
@@ -161,22 +203,24 @@ def main() -> None:
     parser.add_argument("--setups", default=",".join(SETUPS))
     parser.add_argument("--llama-server", default=None)
     parser.add_argument("--gguf", default=None)
+    parser.add_argument("--time-limit", type=float, default=300, help="seconds a measurement")
     args = parser.parse_args()
     model = Path(args.model) if args.model else fetch_default_model()
-    n = args.new_tokens
+    n, limit = args.new_tokens, args.time_limit
     setups = {
         "engine": lambda: engine_setup(model, n),
-        "services": lambda: services_setup(model, n),
-        "EAGLE3": lambda: services_setup(model, n, "--speculative-algorithm", "EAGLE3"),
-        "NGRAM": lambda: services_setup(model, n, "--speculative-algorithm", "NGRAM"),
-        "llama.cpp": lambda: llama_cpp_setup(*_llama_cpp(args, model), n),
+        "services": lambda: services_setup(model, n, limit),
+        "EAGLE3": lambda: services_setup(model, n, limit, "--speculative-algorithm", "EAGLE3"),
+        "NGRAM": lambda: services_setup(model, n, limit, "--speculative-algorithm", "NGRAM"),
+        "llama.cpp": lambda: llama_cpp_setup(*_llama_cpp(args, model), n, limit),
     }
     chosen = args.setups.split(",")
     if unknown := set(chosen) - set(setups):
         parser.error(f"unknown setups {sorted(unknown)}; choose from {list(setups)}")
     print(
         f"{len(os.sched_getaffinity(0))} cores; {n} tokens per request, greedy; "
-        f"medians of {args.runs} runs; (kept) = busy / quiet within a run"
+        f"medians of {args.runs} runs; (kept) = busy / quiet within a run; "
+        f"* = stopped at {limit:g} s"
     )
     print(f"{'setup':<10} {'conc':>4}  {'quiet':>7}  {'nice 19':>14}  {'nice 0':>14}  (tok/s)")
     for name in chosen:
