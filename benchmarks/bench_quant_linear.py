@@ -8,9 +8,8 @@ A decode step's matmuls in miniature: pairs of [1536, 768] and [576, 1536] weigh
 whole 256-weight superblocks, so every type fits) stacked to about `--mb` MB of Q4_1,
 multiplied one after another by `--rows` activation rows. `--kernels avx2,vnni` times
 quant_linear's AVX2 and AVX-512 VNNI kernels in turns (default: the one this CPU runs).
-The types take turns within each
-repeat (a busy neighbour slows them alike); medians over `--repeats`. Random blocks: the
-time does not depend on the values.
+The types take turns within each repeat (a busy neighbour slows them alike); medians over
+`--repeats`. Random blocks: the time does not depend on the values.
 """
 
 from __future__ import annotations

@@ -291,16 +291,18 @@ inline __m256 block_offsets(const uint8_t* g, __m256 d) {
 inline const uint8_t* sub_values(int64_t type, const uint8_t* g, int64_t j) {
   return g + header_bytes(type) + j * values_bytes(type);
 }
-// Q4_K sub-block j's d s_j and dmin m_j.
-inline void q4k_scales(const uint8_t* g, int64_t j, __m256& scale, __m256& min) {
+// Q4_K sub-block j's d s_j and dmin m_j, from the superblock's d and dmin (fp16x8(g),
+// fp16x8(g + 2 * GROUP), converted once a superblock).
+inline void q4k_scales(const uint8_t* g, __m256 d, __m256 dmin, int64_t j, __m256& scale,
+                       __m256& min) {
   const uint8_t* scales = g + 4 * GROUP;
-  scale = _mm256_mul_ps(fp16x8(g), u8x8(scales + j * GROUP));
-  min = _mm256_mul_ps(fp16x8(g + 2 * GROUP), u8x8(scales + (SUBS + j) * GROUP));
+  scale = _mm256_mul_ps(d, u8x8(scales + j * GROUP));
+  min = _mm256_mul_ps(dmin, u8x8(scales + (SUBS + j) * GROUP));
 }
-// Q6_K activation block j's two 16-weight sub-blocks' d s.
-inline void q6k_scales(const uint8_t* g, int64_t j, __m256 scale[2]) {
+// Q6_K activation block j's two 16-weight sub-blocks' d s, from the superblock's d.
+inline void q6k_scales(const uint8_t* g, __m256 d, int64_t j, __m256 scale[2]) {
   for (int half = 0; half < 2; ++half)
-    scale[half] = _mm256_mul_ps(fp16x8(g), i8x8(g + 2 * GROUP + (2 * j + half) * GROUP));
+    scale[half] = _mm256_mul_ps(d, i8x8(g + 2 * GROUP + (2 * j + half) * GROUP));
 }
 // The weight lines PREFETCH_BYTES past block g requested.
 template <int64_t Type>
@@ -341,13 +343,14 @@ inline void small_block(const uint8_t* g, const QuantRows& x, int64_t row, int64
 // acc += d s_j dx sum q xq, off -= dmin m_j dx sum xq.
 template <int R>
 inline void q4k_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a, Sums<R>& s) {
+  const __m256 d = fp16x8(g), dmin = fp16x8(g + 2 * GROUP);
   for (int64_t j = 0; j < SUBS; ++j) {
     const int16_t* xq[R];
     row_values<R>(x, row, a + j, xq);
     __m256i totals[R][1];
     block_totals<0, 1, R>(sub_values(GGML_Q4_K, g, j), xq, totals);
     __m256 scale, min;
-    q4k_scales(g, j, scale, min);
+    q4k_scales(g, d, dmin, j, scale, min);
     for (int r = 0; r < R; ++r) {
       const int64_t i = x.at(row + r, a + j);
       const __m256 dx_scale = _mm256_mul_ps(scale, _mm256_set1_ps(x.scale[i]));
@@ -361,13 +364,14 @@ inline void q4k_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t
 // acc += d dx (s_A (sum_A q xq - 32 sum_A xq) + s_B (sum_B q xq - 32 sum_B xq)).
 template <int R>
 inline void q6k_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a, Sums<R>& s) {
+  const __m256 d = fp16x8(g);
   for (int64_t j = 0; j < SUBS; ++j) {
     const int16_t* xq[R];
     row_values<R>(x, row, a + j, xq);
     __m256i totals[R][2];
     block_totals<2, 2, R>(sub_values(GGML_Q6_K, g, j), xq, totals);
     __m256 scale[2];
-    q6k_scales(g, j, scale);
+    q6k_scales(g, d, j, scale);
     for (int r = 0; r < R; ++r) {
       const int64_t i = x.at(row + r, a + j);
       __m256 sum = _mm256_setzero_ps();
@@ -524,13 +528,14 @@ inline void small_block(const uint8_t* g, const QuantRows& x, int64_t row, int64
 // A Q4_K superblock, as ::q4k_block.
 template <int R>
 inline void q4k_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a, Sums<R>& s) {
+  const __m256 d = fp16x8(g), dmin = fp16x8(g + 2 * GROUP);
   for (int64_t j = 0; j < SUBS; ++j) {
     const int16_t* xq[R];
     row_values<R>(x, row, a + j, xq);
     __m512i totals[R][1][2];
     block_totals<0, 1, 0, R>(sub_values(GGML_Q4_K, g, j), xq, totals);
     __m256 scale, min;
-    q4k_scales(g, j, scale, min);
+    q4k_scales(g, d, dmin, j, scale, min);
     for (int r = 0; r < R; ++r) {
       const int64_t i = x.at(row + r, a + j);
       const __m256 dx_scale = _mm256_mul_ps(scale, _mm256_set1_ps(x.scale[i]));
@@ -545,13 +550,14 @@ inline void q4k_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t
 // sub-blocks need no centring term.
 template <int R>
 inline void q6k_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a, Sums<R>& s) {
+  const __m256 d = fp16x8(g);
   for (int64_t j = 0; j < SUBS; ++j) {
     const int16_t* xq[R];
     row_values<R>(x, row, a + j, xq);
     __m512i totals[R][2][2];
     block_totals<2, 2, centre(GGML_Q6_K), R>(sub_values(GGML_Q6_K, g, j), xq, totals);
     __m256 scale[2];
-    q6k_scales(g, j, scale);
+    q6k_scales(g, d, j, scale);
     for (int r = 0; r < R; ++r) {
       const __m256 dx = _mm256_set1_ps(x.scale[x.at(row + r, a + j)]);
       for (int part = 0; part < 2; ++part)
