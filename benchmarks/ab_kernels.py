@@ -4,15 +4,14 @@
         [--new-tokens 1] [--context 300] [--rounds 30]
     python benchmarks/ab_kernels.py --base REV --prefill 4096 [--rounds 4]
 
-Both builds of `kernels/cpu` serve the same engine (its weights and KV cache), one after
-the other: decode steps in blocks of 25 (the first 3 of each dropped), or one long
+Each build of `kernels/cpu` serves an engine of its own, its weights packed by that build
+(so a change to a packing layout, `block_weight` or `quant_pack`, compares too), the two
+taking turns: decode steps in blocks of 25 (the first 3 of each dropped), or one long
 prompt's prefill per turn; the order flips every round. Prints each build's median and
 the speed-up of this checkout over the base, per round and their median. Wall time on
 this machine moves by 2x between days and by a third within minutes: a kernel change is
-judged by this ratio, not by times taken apart. Both builds multiply the weights as this
-checkout packed them, so a change to a packing layout (`block_weight`, `quant_pack`) is
-not comparable here, nor a base whose `Decoder` takes other arguments (before 2026-11-28's
-EAGLE-3 feature norm).
+judged by this ratio, not by times taken apart. A base whose `Decoder` takes other
+arguments (before 2026-11-28's EAGLE-3 feature norm) does not compare.
 """
 
 from __future__ import annotations
@@ -68,27 +67,33 @@ def build(sources: Path) -> ModuleType:
 
 
 class Builds:
-    """Switches one engine between kernel builds: its fused decoder and its Linears'."""
+    """An engine per kernel build, its weights packed and its steps fused by that build."""
 
-    def __init__(self, engine: LLMEngine, modules: list[ModuleType]) -> None:
-        self.runner, self.modules = engine.runner, modules
-        model, kv = engine.runner.model, engine.kv_cache.layers
-        self.decoders = [FusedDecoder.build(model, kv, m) for m in modules]
+    def __init__(self, make_engine: Callable[[], LLMEngine], modules: list[ModuleType]) -> None:
+        self.modules, self.engines = modules, []
+        for build, module in enumerate(modules):
+            self.use_kernels(build)
+            engine = make_engine()
+            model, kv = engine.runner.model, engine.kv_cache.layers
+            engine.runner.fused = FusedDecoder.build(model, kv, module)
+            self.engines.append(engine)
 
-    def use(self, build: int) -> None:
-        self.runner.fused = self.decoders[build]
+    def use_kernels(self, build: int) -> None:
         layers.load_cpu_kernels = lambda: self.modules[build]
 
+    def use(self, build: int) -> LLMEngine:
+        self.use_kernels(build)
+        return self.engines[build]
 
-def turns(builds: Builds, rounds: int, turn: Callable[[], list[float]]) -> None:
+
+def turns(builds: Builds, rounds: int, turn: Callable[[LLMEngine], list[float]]) -> None:
     """`rounds` rounds of one turn per build (order flipped each round); prints medians."""
     times: list[list[float]] = [[], []]
     ratios = []
     for r in range(rounds):
         medians = [0.0, 0.0]
         for build in (0, 1) if r % 2 == 0 else (1, 0):
-            builds.use(build)
-            samples = turn()
+            samples = turn(builds.use(build))
             times[build] += samples
             medians[build] = statistics.median(samples)
         ratios.append(medians[0] / medians[1])
@@ -112,18 +117,17 @@ def main() -> None:
         modules = [build(sources_at(args.base, Path(tmp))), build(cpu_kernels.HERE)]
     model = fetch_default_model()
     if args.prefill:
-        engine = prefill_engine(model, args.prefill)
+        builds = Builds(lambda: prefill_engine(model, args.prefill, args.quantization), modules)
         ids = prompt_ids(Tokenizer(str(model)), args.prefill)
-        turns(Builds(engine, modules), args.rounds or 4, lambda: [timed_prefill(engine, ids)[0]])
+        turns(builds, args.rounds or 4, lambda engine: [timed_prefill(engine, ids)[0]])
         return
     config = EngineConfig(
         model=str(model), max_num_seqs=max(args.batch, 8), quantization=args.quantization
     )
-    engine = LLMEngine(config)
-    probe = StepProbe(engine, args.context)
+    builds = Builds(lambda: LLMEngine(config), modules)
 
-    def steps() -> list[float]:
-        samples = []
+    def steps(engine: LLMEngine) -> list[float]:
+        probe, samples = StepProbe(engine, args.context), []
         for i in range(STEPS_PER_TURN):
             start = time.perf_counter()
             probe.forward(args.batch, args.new_tokens)
@@ -131,7 +135,7 @@ def main() -> None:
                 samples.append(time.perf_counter() - start)
         return samples
 
-    turns(Builds(engine, modules), args.rounds or 30, steps)
+    turns(builds, args.rounds or 30, steps)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def test_quant_linear_matches_the_dequantized_weight(
     kind: Q, n: int, k: int, quant_kernel: ModuleType
 ) -> None:
     """Any row count (past a job's 64 rows too), an output count not a multiple of the
-    8-column groups, bias and residual: within the int16 activations' error of x @ W.T."""
+    16-column panels, bias and residual: within the int16 activations' error of x @ W.T."""
     kernel = quant_kernel
     rng = np.random.default_rng(n)
     raw = blocks(rng.standard_normal((n, k)).astype(np.float32) * 0.05, kind)

@@ -1,31 +1,37 @@
 // Decode reads every weight once a step, so its time is the weights' bytes: at 5 bits a
 // weight (Q4_1) a step reads ~6x less than fp32. The activations are quantized to int16 per
 // 32 values (scale dx; an error ~2^-15 of the block's largest, far below what flips a
-// greedy token, where int8's does), so a block's products are integer multiply-adds
-// (madd: int16 pairs summed to int32):
+// greedy token, where int8's does), so a block's products are integer sums:
 //   sum_i w_i x_i = d dx sum_i q_i xq_i  + m dx sum_i xq_i
-// (Q4_1, Q5_1; Q4_0, Q5_0: m = -8 d, -16 d, from d in the kernel). Eight output columns go
-// together (quant_pack's groups), so their block totals land in the 8 lanes of one register
-// by horizontal adds, and their scales d and offsets m are one fp16 load each: one FMA
-// applies the eight columns' scales, one more their offsets. Each weight register is
-// expanded once and multiplied with up to 2 activation rows.
+// (Q4_1, Q5_1; Q4_0, Q5_0: m = -8 d, -16 d, from d in the kernel).
 //
-// 4-, 5- and 6-bit values share one layout: their low 4 bits as nibbles, read by shifts and
-// masks (no shuffles) into 16-bit lanes in the activations' evens-first order, then the
-// bits above (5-bit: 1, 6-bit: 2 a value), laid out so that one shift and mask put them
-// above the nibbles of two values at once.
+// Sixteen output columns go together (a panel), one per 32-bit lane of a 512-bit register,
+// and each lane holds 4 consecutive values of its column (a quad; 8 quads a block): the
+// lanes' sums are the 16 columns' totals, scaled by their 16 d in one FMA, with no
+// horizontal adds. With AVX-512 VNNI, vpdpbusd multiplies 64 unsigned bytes by 64 signed
+// ones and adds each lane's 4 products into it. An int16 activation is two bytes,
+//   xq = 256 hi + lo   (hi = xq >> 8 signed, lo = xq & 255 unsigned),
+// and a 4-, 5- or 6-bit q is both a valid unsigned and signed byte, so
+//   sum q xq = 256 dpbusd(q, hi) + dpbusd(lo, q)
+// exactly: two instructions per 64 weights, from values unpacked to bytes by one mask (and
+// a shift), not widened to 16 bits. Q8_0's signed q goes in as q + 128 (q ^ 0x80) against
+// hi, less 128 sum(hi). Without VNNI (AVX2), the same bytes widen to int16 and madd with xq.
+//
+// 4-, 5- and 6-bit values share one layout: their low 4 bits as nibbles, quads j and j + 4
+// in the low and high nibbles of one register's bytes (unpacked by a mask, or a shift and
+// a mask), then the bits above (5-bit: 1, 6-bit: 2 a value), laid out so that one shift and
+// mask put a quad's above its nibbles.
 //
 // K-quants keep their superblocks' integer sub-block scales as integers (a byte each) and
 // apply them per activation block, in fp32 with that block's dx:
 //   Q4_K, sub-block j (32 weights, one activation block):
 //     sum w x = (d s_j) dx sum q xq - (dmin m_j) dx sum xq
-//   8 columns' d s_j: one 8-byte load, converted, times their 8 d (shared by the rows).
-//   Q6_K, an activation block's two 16-weight sub-blocks A (values 0-15), B (16-31):
+//   Q6_K, an activation block's two 16-weight sub-blocks A (values 0-15: quads 0-3) and B
+//   (values 16-31: quads 4-7), summed apart anyway:
 //     sum w x = d dx (s_A (sum_A q xq - 32 sum_A xq) + s_B (sum_B q xq - 32 sum_B xq))
-//   The registers holding values 0-15 (expand's w[0], w[1]) and 16-31 (w[2], w[3]) are
-//   madd'ed apart anyway, so A's and B's totals come out of the same products; sum_A xq is
-//   kept from quantizing x. The integer totals stay far inside int32 (16 * 63 * 32767 <
-//   2^25); the scales multiply in fp32, as s (q - 32) xq over 32 values could pass 2^31.
+//   sum_A xq is kept from quantizing x. The integer totals stay far inside int32 (16 * 63 *
+//   32767 < 2^25); the scales multiply in fp32, as s (q - 32) xq over 32 values could pass
+//   2^31.
 #include "quant.h"
 
 #include <immintrin.h>
@@ -47,34 +53,32 @@ constexpr int64_t QK = 32;           // activations per block; weights per 32-we
 constexpr int64_t QK_K = 256;        // weights per K-quant superblock
 constexpr int64_t SUBS = QK_K / QK;  // activation blocks per superblock (Q4_K's sub-blocks)
 constexpr int64_t Q6_SUB = 16;       // weights per Q6_K sub-block scale
-constexpr int64_t GROUP = 8;         // output columns packed together
-constexpr int64_t JOB_GROUPS = 4;    // column groups per job
-constexpr int64_t JOB_ROWS = 64;     // activation rows per job: their int16 rows stay in L2
+constexpr int64_t PANEL = 16;        // output columns packed together, a 32-bit lane each
+constexpr int64_t QUAD = 4;          // a column's values in one 32-bit lane
+constexpr int64_t QUADS = QK / QUAD;            // per block: 8
+constexpr int64_t QUAD_BYTES = PANEL * QUAD;    // a quad of a panel: one 512-bit register
+constexpr int64_t JOB_PANELS = 2;    // panels per job
+constexpr int64_t JOB_ROWS = 64;     // activation rows per job: their quantized rows stay in L2
 // Weight bytes requested ahead of the block being multiplied (matmul.cpp's 4 KB).
 constexpr int64_t PREFETCH_BYTES = 4096;
 
-// x quantized per row and block: int16 values, the block's scale dx, dx * sum(xq), and
-// sum(xq) over its values 0-15 and 16-31 (Q6_K's sub-blocks). A block's values are stored
-// evens first: x0 x2 .. x30, then x1 x3 .. x31, the order in which the kernels' 16-bit lanes
-// hold the weights they multiply (no shuffles there).
+// x quantized per row and block of 32: int16 values q (for the AVX2 kernel), their bytes
+// lo = q & 255 and hi = q >> 8 (VNNI's), the block's scale dx, dx * sum(q), sum(q) over
+// values 0-15 and 16-31 (Q6_K's sub-blocks) and sum(hi) (Q8_0's).
 struct QuantRows {
   std::vector<int16_t> q;
+  std::vector<uint8_t> lo;
+  std::vector<int8_t> hi;
   std::vector<float> scale, scaled_sum;
-  std::vector<int32_t> half_sums;
+  std::vector<int32_t> half_sums, hi_sums;
   int64_t blocks;  // per row
 
   int64_t at(int64_t row, int64_t block) const { return row * blocks + block; }
-  const int16_t* values(int64_t row, int64_t block) const { return q.data() + at(row, block) * QK; }
+  int64_t value(int64_t row, int64_t block) const { return at(row, block) * QK; }
 };
 
-// 16 int16 of a and then b's (int32 lanes, |value| < 2^15) in order.
-inline __m256i pack16(__m256i a, __m256i b) {
-  return _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);  // packs works per half
-}
-
-// One block of 32 values v as int16 q (evens first) with scale d: q = round(v / d), d =
-// max |v| / 32767; half[0], half[1]: the sums of q over values 0-15 and 16-31.
-void quantize_block(const float* v, int16_t* q, float& d, int32_t half[2]) {
+// One block of 32 values v as int16 q with scale d: q = round(v / d), d = max |v| / 32767.
+void quantize_block(const float* v, int16_t* q, float& d) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 x[4], top = _mm256_setzero_ps();
   for (int j = 0; j < 4; ++j) {
@@ -84,27 +88,35 @@ void quantize_block(const float* v, int16_t* q, float& d, int32_t half[2]) {
   const float amax = hmax(top);
   d = amax / 32767.f;
   const __m256 inv = _mm256_set1_ps(amax > 0.f ? 1.f / d : 0.f);
-  __m256i i[4];  // rounded to nearest even, as nearbyint
-  for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(x[j], inv));
-  half[0] = hsum_epi32(_mm256_add_epi32(i[0], i[1]));
-  half[1] = hsum_epi32(_mm256_add_epi32(i[2], i[3]));
-  // int16 pairs (x0, x1), (x2, x3) ..: evens are each int32 lane's low half, odds its high
-  const __m256i lo = pack16(i[0], i[1]), hi = pack16(i[2], i[3]);
-  const auto evens = [](__m256i w) { return _mm256_srai_epi32(_mm256_slli_epi32(w, 16), 16); };
-  const auto odds = [](__m256i w) { return _mm256_srai_epi32(w, 16); };
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), pack16(evens(lo), evens(hi)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + QK / 2), pack16(odds(lo), odds(hi)));
+  for (int j = 0; j < 4; j += 2) {  // rounded to nearest even, as nearbyint
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(x[j], inv));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(x[j + 1], inv));
+    // packs works per 128-bit half: the permute puts the 16 values back in order
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * j), packed);
+  }
 }
 
 QuantRows quantize_rows(const float* x, int64_t rows, int64_t k) {
-  const int64_t blocks = k / QK;
-  QuantRows out{std::vector<int16_t>(rows * k), std::vector<float>(rows * blocks),
-                std::vector<float>(rows * blocks), std::vector<int32_t>(rows * blocks * 2),
-                blocks};
+  const int64_t blocks = k / QK, n = rows * blocks;
+  QuantRows out{std::vector<int16_t>(rows * k), std::vector<uint8_t>(rows * k),
+                std::vector<int8_t>(rows * k),  std::vector<float>(n),
+                std::vector<float>(n),          std::vector<int32_t>(2 * n),
+                std::vector<int32_t>(n),        blocks};
   parallel_jobs(rows, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin * blocks; i < end * blocks; ++i) {  // block i of all rows
-      int32_t* half = out.half_sums.data() + 2 * i;
-      quantize_block(x + i * QK, out.q.data() + i * QK, out.scale[i], half);
+      int16_t* q = out.q.data() + i * QK;
+      quantize_block(x + i * QK, q, out.scale[i]);
+      int32_t half[2] = {0, 0}, hi_sum = 0;
+      for (int64_t j = 0; j < QK; ++j) {
+        out.lo[i * QK + j] = static_cast<uint8_t>(q[j] & 255);
+        out.hi[i * QK + j] = static_cast<int8_t>(q[j] >> 8);
+        half[j / 16] += q[j];
+        hi_sum += q[j] >> 8;
+      }
+      out.half_sums[2 * i] = half[0];
+      out.half_sums[2 * i + 1] = half[1];
+      out.hi_sums[i] = hi_sum;
       out.scaled_sum[i] = out.scale[i] * static_cast<float>(half[0] + half[1]);
     }
   });
@@ -139,25 +151,37 @@ constexpr int64_t gguf_bytes(int64_t type) {
   return 0;
 }
 
-// quant_pack's values of one 32-weight block of a group. Q8_0: 8 columns' 32 int8. Else
-// 4 rows of 32 bytes of nibbles (columns p and p + 4 in row p, 16 bytes each, value j and
-// j + 16 in byte j), then the high bits, high_bits registers of 32 bytes (`place_values`).
-constexpr int64_t NIBBLE_BYTES = GROUP * QK / 2;
+// quant_pack's values of one 32-weight block of a panel, in 64-byte registers whose byte
+// 4c + i is column c's: Q8_0, register j holds quad j (values 4j + i). Else 4 registers of
+// nibbles (register r: quad r low, quad r + 4 high), then the high bits: 5-bit, one register,
+// quad j's at bit j; 6-bit, two, quad j's at bits 2 (j % 4) of register j / 4.
+constexpr int64_t NIBBLE_BYTES = PANEL * QK / 2;
 constexpr int64_t values_bytes(int64_t type) {
-  return type == GGML_Q8_0 ? GROUP * QK : NIBBLE_BYTES + GROUP * QK * high_bits(type) / 8;
+  return type == GGML_Q8_0 ? PANEL * QK : NIBBLE_BYTES + PANEL * QK * high_bits(type) / 8;
 }
-// A K-quant superblock's scales, before its 8 blocks' values. Q4_K: 8 fp16 d, 8 fp16 dmin,
-// uint8 s [8 sub-blocks][8 columns], uint8 m likewise; Q6_K: 8 fp16 d, int8 s [16][8].
+// A K-quant superblock's scales, before its 8 blocks' values. Q4_K: 16 fp16 d, 16 fp16
+// dmin, uint8 s [8 sub-blocks][16 columns], uint8 m likewise; Q6_K: 16 fp16 d, int8 s
+// [16][16].
 constexpr int64_t header_bytes(int64_t type) {
-  return type == GGML_Q4_K   ? 4 * GROUP + 2 * SUBS * GROUP
-         : type == GGML_Q6_K ? 2 * GROUP + QK_K / Q6_SUB * GROUP
+  return type == GGML_Q4_K   ? 4 * PANEL + 2 * SUBS * PANEL
+         : type == GGML_Q6_K ? 2 * PANEL + QK_K / Q6_SUB * PANEL
                              : 0;
 }
-// One GGUF block of a group's 8 columns: a 32-weight block's values, then 8 fp16 d (and 8
-// fp16 m where stored); a superblock's header, then its 8 blocks' values.
-constexpr int64_t group_bytes(int64_t type) {
+// One GGUF block of a panel's 16 columns: a 32-weight block's values, then 16 fp16 d (and
+// 16 fp16 m where stored); a superblock's header, then its 8 blocks' values.
+constexpr int64_t panel_bytes(int64_t type) {
   return k_quant(type) ? header_bytes(type) + SUBS * values_bytes(type)
-                       : values_bytes(type) + GROUP * 2 * (stored_offset(type) ? 2 : 1);
+                       : values_bytes(type) + PANEL * 2 * (stored_offset(type) ? 2 : 1);
+}
+// Where a block's d (and m) lie in a 32-weight type's panel block.
+constexpr int64_t d_at(int64_t type) { return values_bytes(type); }
+constexpr int64_t m_at(int64_t type) { return values_bytes(type) + 2 * PANEL; }
+// Q4_K's per sub-block scales and mins, Q6_K's per 16 weights, in the superblock header.
+constexpr int64_t Q4K_SCALES = 4 * PANEL, Q4K_MINS = Q4K_SCALES + SUBS * PANEL;
+constexpr int64_t Q6K_SCALES = 2 * PANEL;
+// A K-quant superblock's sub-block (activation block) j's values.
+constexpr int64_t sub_values(int64_t type, int64_t j) {
+  return header_bytes(type) + j * values_bytes(type);
 }
 
 uint16_t bits16(const uint8_t* p) {
@@ -170,148 +194,78 @@ inline __m256i load256(const void* p) {
   return _mm256_loadu_si256(static_cast<const __m256i*>(p));
 }
 inline __m128i load128(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
-inline __m256 fp16x8(const uint8_t* p) { return _mm256_cvtph_ps(load128(p)); }
-inline __m256 u8x8(const uint8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(
-      static_cast<const void*>(p)))));
-}
-inline __m256 i8x8(const uint8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(
-      static_cast<const void*>(p)))));
-}
-
-// The 8 lane sums of each of 8 columns' registers v[c], column c in lane c, reduced as
-// the column pairs arrive (few registers live): pair[p] = hadd(v[2p], v[2p + 1]).
-inline __m256i column_totals(const __m256i pair[4]) {
-  const __m256i low = _mm256_hadd_epi32(pair[0], pair[1]);   // [c0..c3 lanes 0-3 | 4-7]
-  const __m256i high = _mm256_hadd_epi32(pair[2], pair[3]);  // the same of c4..c7
-  return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20),
-                          _mm256_permute2x128_si256(low, high, 0x31));
-}
-
-inline __m256i madd2(__m256i w0, __m256i x0, __m256i w1, __m256i x1) {
-  return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+inline __m128i load64(const void* p) {
+  return _mm_loadl_epi64(static_cast<const __m128i*>(p));
 }
 
 inline __m256i shift_left(__m256i v, int bits) {  // bits < 0: right
   return bits >= 0 ? _mm256_slli_epi16(v, bits) : _mm256_srli_epi16(v, -bits);
 }
 
-// Row p (0-3) of a block's values as 16-bit lanes: w[0..3] hold values 2i, 2i + 1, 2i + 16,
-// 2i + 17 of column p in lane i (0-7), of column p + 4 in lane 8 + i. A lane's nibbles are
-// bytes 2i, 2i + 1 of its column (value 2i low in byte 2i, 2i + 16 high).
-// 5- and 6-bit values: the High bits above each nibble are OR'ed in while two values share a
-// lane (values 2i, 2i + 1 as its bytes; 2i + 16, 2i + 17), at bits 4 and 12 of a lane of the
-// register of High bits that `place_values` aligned for it: one shift and mask each.
-template <int High>
-inline void expand(const uint8_t* values, int p, __m256i w[4]) {
-  const __m256i raw = load256(values + p * QK);
-  if constexpr (High == 0) {
-    const __m256i nibble = _mm256_set1_epi16(0x000F);
-    w[0] = _mm256_and_si256(raw, nibble);
-    w[1] = _mm256_and_si256(_mm256_srli_epi16(raw, 8), nibble);
-    w[2] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-    w[3] = _mm256_srli_epi16(raw, 12);
-  } else {
-    constexpr int ROWS = 4 / High;  // rows whose high bits share a register
-    const __m256i nibbles = _mm256_set1_epi16(0x0F0F), byte = _mm256_set1_epi16(0x00FF);
-    const __m256i mask = _mm256_set1_epi16(((1 << High) - 1) * 0x1010);
-    const __m256i h = load256(values + NIBBLE_BYTES + p / ROWS * QK);
-    const int at = 2 * High * (p % ROWS);  // row p's bits for values 2i, 2i + 1 (then 16, 17)
-    const __m256i low = _mm256_or_si256(_mm256_and_si256(raw, nibbles),
-                                        _mm256_and_si256(shift_left(h, 4 - at), mask));
-    const __m256i high = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nibbles),
-                                         _mm256_and_si256(shift_left(h, 4 - at - High), mask));
-    w[0] = _mm256_and_si256(low, byte);
-    w[1] = _mm256_srli_epi16(low, 8);
-    w[2] = _mm256_and_si256(high, byte);
-    w[3] = _mm256_srli_epi16(high, 8);
-  }
-}
-
-// sum q xq of a 4-, 5- or 6-bit block's 8 columns for R activation rows, column c in lane c
-// of totals[r][part]: Parts 1, over the block; 2, over its values 0-15, then 16-31.
-template <int High, int Parts, int R>
-inline void block_totals(const uint8_t* values, const int16_t* const xq[R],
-                         __m256i totals[R][Parts]) {
-  __m256i xs[R][4];  // x0 x2 .. x14, x1 .. x15, x16 .. x30, x17 .. x31, in both halves
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j)
-      xs[r][j] = _mm256_broadcastsi128_si256(load128(xq[r] + (j % 2) * 16 + (j / 2) * 8));
-  __m256i halves[R][Parts][2];
-  for (int p = 0; p < 4; ++p) {
-    __m256i w[4];
-    expand<High>(values, p, w);
-    for (int r = 0; r < R; ++r) {
-      // [column p's 4 partial sums | column p + 4's] over values 0-15 and over 16-31
-      const __m256i low = madd2(w[0], xs[r][0], w[1], xs[r][1]);
-      const __m256i high = madd2(w[2], xs[r][2], w[3], xs[r][3]);
-      const __m256i v[2] = {Parts == 1 ? _mm256_add_epi32(low, high) : low, high};
-      for (int part = 0; part < Parts; ++part) {
-        __m256i& half = halves[r][part][p / 2];
-        half = p % 2 ? _mm256_hadd_epi32(half, v[part]) : v[part];
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)  // [c0 c1 c2 c3 | c4 c5 c6 c7]
-    for (int part = 0; part < Parts; ++part)
-      totals[r][part] = _mm256_hadd_epi32(halves[r][part][0], halves[r][part][1]);
-}
-
-// sum q xq of a Q8_0 block's 8 columns for R activation rows, column c in lane c.
-template <int R>
-inline void q8_totals(const uint8_t* values, const int16_t* const xq[R], __m256i totals[R][1]) {
-  // 16-bit lane i of a column's 32 bytes: values 2i (low byte) and 2i + 1
-  __m256i pairs[R][4];
-  for (int c = 0; c < GROUP; ++c) {
-    const __m256i q = load256(values + c * QK);
-    const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(q, 8), 8);
-    const __m256i odd = _mm256_srai_epi16(q, 8);
-    for (int r = 0; r < R; ++r) {
-      const __m256i v = madd2(even, load256(xq[r]), odd, load256(xq[r] + QK / 2));
-      pairs[r][c / 2] = c % 2 ? _mm256_hadd_epi32(pairs[r][c / 2], v) : v;
-    }
-  }
-  for (int r = 0; r < R; ++r) totals[r][0] = column_totals(pairs[r]);
-}
-
-// Shared by both kernels: a block's activation rows, and what they read of a group's block g
-// besides its values (8 columns' scales, column c in lane c; where the values lie).
-template <int R>
-inline void row_values(const QuantRows& x, int64_t row, int64_t a, const int16_t* xq[R]) {
-  for (int r = 0; r < R; ++r) xq[r] = x.values(row + r, a);
-}
-// A 32-weight block's offsets m: in the file (Q4_1, Q5_1), or -centre d.
-template <int64_t Type>
-inline __m256 block_offsets(const uint8_t* g, __m256 d) {
-  if constexpr (stored_offset(Type)) return fp16x8(g + values_bytes(Type) + 2 * GROUP);
-  else return _mm256_mul_ps(d, _mm256_set1_ps(-centre(Type)));
-}
-// A K-quant superblock's sub-block (activation block) j's values.
-inline const uint8_t* sub_values(int64_t type, const uint8_t* g, int64_t j) {
-  return g + header_bytes(type) + j * values_bytes(type);
-}
-// Q4_K sub-block j's d s_j and dmin m_j, from the superblock's d and dmin (fp16x8(g),
-// fp16x8(g + 2 * GROUP), converted once a superblock).
-inline void q4k_scales(const uint8_t* g, __m256 d, __m256 dmin, int64_t j, __m256& scale,
-                       __m256& min) {
-  const uint8_t* scales = g + 4 * GROUP;
-  scale = _mm256_mul_ps(d, u8x8(scales + j * GROUP));
-  min = _mm256_mul_ps(dmin, u8x8(scales + (SUBS + j) * GROUP));
-}
-// Q6_K activation block j's two 16-weight sub-blocks' d s, from the superblock's d.
-inline void q6k_scales(const uint8_t* g, __m256 d, int64_t j, __m256 scale[2]) {
-  for (int half = 0; half < 2; ++half)
-    scale[half] = _mm256_mul_ps(d, i8x8(g + 2 * GROUP + (2 * j + half) * GROUP));
-}
-// The weight lines PREFETCH_BYTES past block g requested.
+// The weight lines PREFETCH_BYTES past panel block g requested.
 template <int64_t Type>
 inline void prefetch_ahead(const uint8_t* g) {
-  for (int64_t line = 0; line < group_bytes(Type); line += 64)
+  for (int64_t line = 0; line < panel_bytes(Type); line += 64)
     _mm_prefetch(reinterpret_cast<const char*>(g + PREFETCH_BYTES + line), _MM_HINT_T0);
 }
 
-// R rows' running sums of a group's 8 outputs: the scaled totals and the offset terms.
+// AVX2: a panel as two halves h (columns 8h .. 8h + 7), the 32 bytes of each 64-byte
+// register that are theirs; their quads' bytes widen to int16 and madd with xq's pairs.
+
+// Quad j of a block's values as bytes, column c's 4 in 32-bit lane c of half h.
+template <int64_t Type>
+inline __m256i quad_bytes(const uint8_t* v, int h, int j) {
+  if constexpr (Type == GGML_Q8_0) {
+    return load256(v + j * QUAD_BYTES + 32 * h);
+  } else {
+    constexpr int High = high_bits(Type);
+    const __m256i raw = load256(v + (j % 4) * QUAD_BYTES + 32 * h);
+    __m256i q = _mm256_and_si256(j < 4 ? raw : _mm256_srli_epi16(raw, 4), _mm256_set1_epi8(15));
+    if constexpr (High > 0) {  // shifts by 16-bit lanes: what crosses a byte is masked off
+      const int reg = High == 1 ? 0 : j / 4, at = High == 1 ? j : 2 * (j % 4);
+      const __m256i bits = load256(v + NIBBLE_BYTES + reg * QUAD_BYTES + 32 * h);
+      const __m256i mask = _mm256_set1_epi8(static_cast<char>(((1 << High) - 1) << 4));
+      q = _mm256_or_si256(q, _mm256_and_si256(shift_left(bits, 4 - at), mask));
+    }
+    return q;
+  }
+}
+
+// sum q xq of a block's half panel for R rows, column c in lane c of totals[r][part]: part
+// 0 over quads 0-3 (values 0-15), 1 over quads 4-7.
+template <int64_t Type, int R>
+inline void half_totals(const uint8_t* v, int h, const int16_t* const xq[R],
+                        __m256i totals[R][2]) {
+  const auto widen = [](__m128i b) {
+    return Type == GGML_Q8_0 ? _mm256_cvtepi8_epi16(b) : _mm256_cvtepu8_epi16(b);
+  };
+  // lanes (column, value pair): columns 0-3 of the half in low, 4-7 in high
+  __m256i low[R][2], high[R][2];
+  for (int j = 0; j < QUADS; ++j) {
+    const __m256i q = quad_bytes<Type>(v, h, j);
+    const __m256i w0 = widen(_mm256_castsi256_si128(q)), w1 = widen(_mm256_extracti128_si256(q, 1));
+    for (int r = 0; r < R; ++r) {
+      int64_t pair;  // xq's 4 values of quad j, in each 64 bits
+      std::memcpy(&pair, xq[r] + QUAD * j, 8);
+      const __m256i x = _mm256_set1_epi64x(pair);
+      const __m256i a = _mm256_madd_epi16(w0, x), b = _mm256_madd_epi16(w1, x);
+      __m256i &lo = low[r][j / 4], &hi = high[r][j / 4];
+      lo = j % 4 ? _mm256_add_epi32(lo, a) : a;
+      hi = j % 4 ? _mm256_add_epi32(hi, b) : b;
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int part = 0; part < 2; ++part)  // hadd: [c0 c1 c4 c5 | c2 c3 c6 c7], then in order
+      totals[r][part] = _mm256_permute4x64_epi64(
+          _mm256_hadd_epi32(low[r][part], high[r][part]), 0xD8);
+}
+
+inline __m256 fp16x8(const uint8_t* p) { return _mm256_cvtph_ps(load128(p)); }
+inline __m256 u8x8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(load64(p))); }
+inline __m256 i8x8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load64(p))); }
+inline __m256 set8(float v) { return _mm256_set1_ps(v); }
+
+// R rows' running sums of a half panel's 8 outputs: the scaled totals and the offset terms.
 template <int R>
 struct Sums {
   __m256 acc[R], off[R];
@@ -320,42 +274,42 @@ struct Sums {
 // A 32-weight block g, activation block a of rows row..row+R-1:
 // acc += d dx sum q xq, off += m dx sum xq.
 template <int64_t Type, int R>
-inline void small_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a,
+inline void small_block(const uint8_t* g, int h, const QuantRows& x, int64_t row, int64_t a,
                         Sums<R>& s) {
   const int16_t* xq[R];
-  row_values<R>(x, row, a, xq);
-  __m256i totals[R][1];
-  if constexpr (Type == GGML_Q8_0) q8_totals<R>(g, xq, totals);
-  else block_totals<high_bits(Type), 1, R>(g, xq, totals);
-  const __m256 d = fp16x8(g + values_bytes(Type));
+  for (int r = 0; r < R; ++r) xq[r] = x.q.data() + x.value(row + r, a);
+  __m256i t[R][2];
+  half_totals<Type, R>(g, h, xq, t);
+  const __m256 d = fp16x8(g + d_at(Type) + 16 * h);
+  const __m256 m = stored_offset(Type) ? fp16x8(g + m_at(Type) + 16 * h)
+                                       : _mm256_mul_ps(d, set8(-centre(Type)));
   for (int r = 0; r < R; ++r) {
-    const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x.scale[x.at(row + r, a)]));
-    s.acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals[r][0]), scale, s.acc[r]);
-  }
-  if constexpr (Type != GGML_Q8_0) {
-    const __m256 m = block_offsets<Type>(g, d);
-    for (int r = 0; r < R; ++r)
-      s.off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum[x.at(row + r, a)]), s.off[r]);
+    const int64_t i = x.at(row + r, a);
+    const __m256 total = _mm256_cvtepi32_ps(_mm256_add_epi32(t[r][0], t[r][1]));
+    s.acc[r] = _mm256_fmadd_ps(total, _mm256_mul_ps(d, set8(x.scale[i])), s.acc[r]);
+    if constexpr (Type != GGML_Q8_0)
+      s.off[r] = _mm256_fmadd_ps(m, set8(x.scaled_sum[i]), s.off[r]);
   }
 }
 
 // A Q4_K superblock g, activation blocks a..a+7; per sub-block j:
 // acc += d s_j dx sum q xq, off -= dmin m_j dx sum xq.
 template <int R>
-inline void q4k_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a, Sums<R>& s) {
-  const __m256 d = fp16x8(g), dmin = fp16x8(g + 2 * GROUP);
+inline void q4k_block(const uint8_t* g, int h, const QuantRows& x, int64_t row, int64_t a,
+                      Sums<R>& s) {
+  const __m256 d = fp16x8(g + 16 * h), dmin = fp16x8(g + 2 * PANEL + 16 * h);
   for (int64_t j = 0; j < SUBS; ++j) {
     const int16_t* xq[R];
-    row_values<R>(x, row, a + j, xq);
-    __m256i totals[R][1];
-    block_totals<0, 1, R>(sub_values(GGML_Q4_K, g, j), xq, totals);
-    __m256 scale, min;
-    q4k_scales(g, d, dmin, j, scale, min);
+    for (int r = 0; r < R; ++r) xq[r] = x.q.data() + x.value(row + r, a + j);
+    __m256i t[R][2];
+    half_totals<GGML_Q4_K, R>(g + sub_values(GGML_Q4_K, j), h, xq, t);
+    const __m256 scale = _mm256_mul_ps(d, u8x8(g + Q4K_SCALES + j * PANEL + 8 * h));
+    const __m256 min = _mm256_mul_ps(dmin, u8x8(g + Q4K_MINS + j * PANEL + 8 * h));
     for (int r = 0; r < R; ++r) {
       const int64_t i = x.at(row + r, a + j);
-      const __m256 dx_scale = _mm256_mul_ps(scale, _mm256_set1_ps(x.scale[i]));
-      s.acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals[r][0]), dx_scale, s.acc[r]);
-      s.off[r] = _mm256_fnmadd_ps(min, _mm256_set1_ps(x.scaled_sum[i]), s.off[r]);
+      const __m256 total = _mm256_cvtepi32_ps(_mm256_add_epi32(t[r][0], t[r][1]));
+      s.acc[r] = _mm256_fmadd_ps(total, _mm256_mul_ps(scale, set8(x.scale[i])), s.acc[r]);
+      s.off[r] = _mm256_fnmadd_ps(min, set8(x.scaled_sum[i]), s.off[r]);
     }
   }
 }
@@ -363,246 +317,205 @@ inline void q4k_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t
 // A Q6_K superblock g, activation blocks a..a+7, each two sub-blocks A, B of 16 weights:
 // acc += d dx (s_A (sum_A q xq - 32 sum_A xq) + s_B (sum_B q xq - 32 sum_B xq)).
 template <int R>
-inline void q6k_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a, Sums<R>& s) {
-  const __m256 d = fp16x8(g);
+inline void q6k_block(const uint8_t* g, int h, const QuantRows& x, int64_t row, int64_t a,
+                      Sums<R>& s) {
+  const __m256 d = fp16x8(g + 16 * h);
   for (int64_t j = 0; j < SUBS; ++j) {
     const int16_t* xq[R];
-    row_values<R>(x, row, a + j, xq);
-    __m256i totals[R][2];
-    block_totals<2, 2, R>(sub_values(GGML_Q6_K, g, j), xq, totals);
+    for (int r = 0; r < R; ++r) xq[r] = x.q.data() + x.value(row + r, a + j);
+    __m256i t[R][2];
+    half_totals<GGML_Q6_K, R>(g + sub_values(GGML_Q6_K, j), h, xq, t);
     __m256 scale[2];
-    q6k_scales(g, d, j, scale);
+    for (int part = 0; part < 2; ++part)
+      scale[part] = _mm256_mul_ps(d, i8x8(g + Q6K_SCALES + (2 * j + part) * PANEL + 8 * h));
     for (int r = 0; r < R; ++r) {
       const int64_t i = x.at(row + r, a + j);
       __m256 sum = _mm256_setzero_ps();
-      for (int half = 0; half < 2; ++half) {
-        const int32_t offset = centre(GGML_Q6_K) * x.half_sums[2 * i + half];
-        const __m256i centred = _mm256_sub_epi32(totals[r][half], _mm256_set1_epi32(offset));
-        sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), scale[half], sum);
+      for (int part = 0; part < 2; ++part) {
+        const int32_t offset = centre(GGML_Q6_K) * x.half_sums[2 * i + part];
+        const __m256i centred = _mm256_sub_epi32(t[r][part], _mm256_set1_epi32(offset));
+        sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), scale[part], sum);
       }
-      s.acc[r] = _mm256_fmadd_ps(sum, _mm256_set1_ps(x.scale[i]), s.acc[r]);
+      s.acc[r] = _mm256_fmadd_ps(sum, set8(x.scale[i]), s.acc[r]);
     }
   }
 }
 
-// One group's 8 outputs for activation rows row..row+R-1: y[r * ld + c] (no bias).
+// One panel's 16 outputs for activation rows row..row+R-1: y[r * ld + c] (no bias).
 template <int64_t Type, int R>
-void group_rows(const uint8_t* g, const QuantRows& x, int64_t row, float* y, int64_t ld) {
-  Sums<R> s;
-  for (int r = 0; r < R; ++r) s.acc[r] = s.off[r] = _mm256_setzero_ps();
+void panel_rows(const uint8_t* panel, const QuantRows& x, int64_t row, float* y, int64_t ld) {
   constexpr int64_t step = block_weights(Type) / QK;  // activation blocks per GGUF block
-  for (int64_t a = 0; a < x.blocks; a += step, g += group_bytes(Type)) {
-    prefetch_ahead<Type>(g);
-    if constexpr (Type == GGML_Q4_K) q4k_block<R>(g, x, row, a, s);
-    else if constexpr (Type == GGML_Q6_K) q6k_block<R>(g, x, row, a, s);
-    else small_block<Type, R>(g, x, row, a, s);
+  for (int h = 0; h < 2; ++h) {
+    Sums<R> s;
+    for (int r = 0; r < R; ++r) s.acc[r] = s.off[r] = _mm256_setzero_ps();
+    const uint8_t* g = panel;
+    for (int64_t a = 0; a < x.blocks; a += step, g += panel_bytes(Type)) {
+      if (h == 0) prefetch_ahead<Type>(g);
+      if constexpr (Type == GGML_Q4_K) q4k_block<R>(g, h, x, row, a, s);
+      else if constexpr (Type == GGML_Q6_K) q6k_block<R>(g, h, x, row, a, s);
+      else small_block<Type, R>(g, h, x, row, a, s);
+    }
+    for (int r = 0; r < R; ++r)
+      _mm256_storeu_ps(y + r * ld + 8 * h, _mm256_add_ps(s.acc[r], s.off[r]));
   }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ld, _mm256_add_ps(s.acc[r], s.off[r]));
 }
 
-// With AVX-512 VNNI, vpdpwssd multiplies 32 int16 pairs and adds them into 16 int32 lanes
-// in one instruction (AVX2: a madd, then an add, at half the width). A 512-bit register
-// holds two packed rows of a block's values, so its 128-bit lanes hold columns p, p + 4,
-// p + 1, p + 5 (Q8_0: lanes 0-1 column c, 2-3 column c + 1). The lanes' int32 partial sums
-// are scaled per block in fp32 where they lie (the block's scales spread to the lanes by one
-// permute), and reduced to the 8 column totals once, after the last block.
+// With AVX-512 VNNI: a whole panel in 512-bit registers, its products by vpdpbusd.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")
 namespace vnni {
 
-// The 8 values of v (lane c: column c) spread to register h's lanes of 4: (h = 0) columns
-// 0, 4, 1, 5; (h = 1) 2, 6, 3, 7; Q8_0's register j: columns 2j, 2j + 1, 8 lanes each.
-inline __m512 spread(__m256 v, const __m512i& lanes) {
-  return _mm512_permutexvar_ps(lanes, _mm512_castps256_ps512(v));
-}
-inline __m512i nibble_lanes(int h) {
-  return _mm512_set_epi32(2 * h + 5, 2 * h + 5, 2 * h + 5, 2 * h + 5, 2 * h + 1, 2 * h + 1,
-                          2 * h + 1, 2 * h + 1, 2 * h + 4, 2 * h + 4, 2 * h + 4, 2 * h + 4,
-                          2 * h, 2 * h, 2 * h, 2 * h);
-}
-inline __m512i q8_lanes(int j) {
-  const __m256i lo = _mm256_set1_epi32(2 * j), hi = _mm256_set1_epi32(2 * j + 1);
-  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+inline __m512i load512(const void* p) { return _mm512_loadu_si512(p); }
+inline __m512i shift_left(__m512i v, int bits) {  // bits < 0: right
+  return bits >= 0 ? _mm512_slli_epi16(v, bits) : _mm512_srli_epi16(v, -bits);
 }
 
-// Rows 2h, 2h + 1 of a block's values as `::expand` reads one row, side by side.
-template <int High>
-inline void expand(const uint8_t* values, int h, __m512i w[4]) {
-  if constexpr (High == 0) {
-    const __m512i raw = _mm512_loadu_si512(values + 2 * h * QK);
-    const __m512i nibble = _mm512_set1_epi16(0x000F);
-    w[0] = _mm512_and_si512(raw, nibble);
-    w[1] = _mm512_and_si512(_mm512_srli_epi16(raw, 8), nibble);
-    w[2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-    w[3] = _mm512_srli_epi16(raw, 12);
+// Quad j of a block's values as bytes, column c's 4 in 32-bit lane c, as ::quad_bytes.
+template <int64_t Type>
+inline __m512i quad_bytes(const uint8_t* v, int j) {
+  if constexpr (Type == GGML_Q8_0) {
+    return load512(v + j * QUAD_BYTES);
   } else {
-    __m256i a[4], b[4];
-    ::expand<High>(values, 2 * h, a);
-    ::expand<High>(values, 2 * h + 1, b);
-    for (int j = 0; j < 4; ++j) w[j] = _mm512_inserti64x4(_mm512_castsi256_si512(a[j]), b[j], 1);
+    constexpr int High = high_bits(Type);
+    const __m512i raw = load512(v + (j % 4) * QUAD_BYTES);
+    __m512i q = _mm512_and_si512(j < 4 ? raw : _mm512_srli_epi16(raw, 4), _mm512_set1_epi8(15));
+    if constexpr (High > 0) {
+      const int reg = High == 1 ? 0 : j / 4, at = High == 1 ? j : 2 * (j % 4);
+      const __m512i bits = load512(v + NIBBLE_BYTES + reg * QUAD_BYTES);
+      const __m512i mask = _mm512_set1_epi8(static_cast<char>(((1 << High) - 1) << 4));
+      q = _mm512_or_si512(q, _mm512_and_si512(shift_left(bits, 4 - at), mask));
+    }
+    return q;
   }
 }
 
-inline __m512i dot(__m512i w0, __m512i x0, __m512i w1, __m512i x1) {
-  return _mm512_dpwssd_epi32(_mm512_madd_epi16(w0, x0), w1, x1);
+inline __m512i set_quad(const void* p) {  // 4 bytes at p in every 32-bit lane
+  int32_t quad;
+  std::memcpy(&quad, p, 4);
+  return _mm512_set1_epi32(quad);
 }
 
-// A 4-, 5- or 6-bit block's lane sums for R rows: totals[r][part][h], register h's lanes;
-// Parts 1: over the block; 2: over its values 0-15, then 16-31. Centred: q - Centre.
-template <int High, int Parts, int Centre, int R>
-inline void block_totals(const uint8_t* values, const int16_t* const xq[R],
-                         __m512i totals[R][Parts][2]) {
-  __m512i xs[R][4];  // as ::block_totals' xs, in all four lanes
+// sum q xq of a block's panel for R rows (their block i[r]), column c in lane c of
+// totals[r][part]: part 0 over quads 0-3 (values 0-15), 1 over quads 4-7; Q8_0's in part 0
+// and 1 together.
+template <int64_t Type, int R>
+inline void block_totals(const uint8_t* v, const QuantRows& x, const int64_t i[R],
+                         __m512i totals[R][2]) {
+  __m512i by_hi[R][2], by_lo[R][2];  // dpbusd(q, hi), dpbusd(lo, q)
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j)
-      xs[r][j] = _mm512_broadcast_i32x4(load128(xq[r] + (j % 2) * 16 + (j / 2) * 8));
-  for (int h = 0; h < 2; ++h) {
-    __m512i w[4];
-    expand<High>(values, h, w);
-    if constexpr (Centre != 0)
-      for (int j = 0; j < 4; ++j) w[j] = _mm512_sub_epi16(w[j], _mm512_set1_epi16(Centre));
+    for (int part = 0; part < 2; ++part) by_hi[r][part] = by_lo[r][part] = _mm512_setzero_si512();
+  for (int j = 0; j < QUADS; ++j) {
+    const __m512i q = quad_bytes<Type>(v, j);
+    const __m512i q_unsigned = Type == GGML_Q8_0 ? _mm512_xor_si512(q, _mm512_set1_epi8(-128)) : q;
     for (int r = 0; r < R; ++r) {
-      const __m512i low = dot(w[0], xs[r][0], w[1], xs[r][1]);
-      if constexpr (Parts == 1) {
-        totals[r][0][h] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(low, w[2], xs[r][2]), w[3],
-                                              xs[r][3]);
-      } else {
-        totals[r][0][h] = low;
-        totals[r][1][h] = dot(w[2], xs[r][2], w[3], xs[r][3]);
-      }
+      const int64_t at = i[r] * QK + QUAD * j;
+      __m512i &hi = by_hi[r][j / 4], &lo = by_lo[r][j / 4];
+      hi = _mm512_dpbusd_epi32(hi, q_unsigned, set_quad(x.hi.data() + at));
+      lo = _mm512_dpbusd_epi32(lo, set_quad(x.lo.data() + at), q);
     }
   }
+  for (int r = 0; r < R; ++r) {
+    for (int part = 0; part < 2; ++part)
+      totals[r][part] = _mm512_add_epi32(_mm512_slli_epi32(by_hi[r][part], 8), by_lo[r][part]);
+    if constexpr (Type == GGML_Q8_0)  // q + 128 against hi: less 128 sum(hi), times 256
+      totals[r][0] = _mm512_sub_epi32(totals[r][0], _mm512_set1_epi32(32768 * x.hi_sums[i[r]]));
+  }
 }
 
-// R rows' running lane sums (4 registers: Q8_0's; 2: the others') and offset terms.
+inline __m512 fp16x16(const uint8_t* p) { return _mm512_cvtph_ps(load256(p)); }
+inline __m512 u8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(load128(p)));
+}
+inline __m512 i8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(p)));
+}
+inline __m512 set16(float v) { return _mm512_set1_ps(v); }
+
 template <int R>
 struct Sums {
-  __m512 acc[R][4];
-  __m256 off[R];
+  __m512 acc[R], off[R];
 };
 
-// acc += lane totals t (register h of a block) times the block's 8 column scales.
-inline void add_scaled(__m512& acc, __m512i t, __m256 scale, const __m512i& lanes) {
-  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), spread(scale, lanes), acc);
-}
-
-// A Q8_0 block g: register j, columns 2j and 2j + 1 (16-bit lane i: values 2i, 2i + 1 as
-// even and odd), times the rows' evens and odds in both halves.
 template <int R>
-inline void q8_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a, Sums<R>& s) {
-  __m512i even_x[R], odd_x[R];
-  __m256 scale[R];
-  const __m256 d = fp16x8(g + values_bytes(GGML_Q8_0));
-  for (int r = 0; r < R; ++r) {
-    const int16_t* xq = x.values(row + r, a);
-    even_x[r] = _mm512_broadcast_i64x4(load256(xq));
-    odd_x[r] = _mm512_broadcast_i64x4(load256(xq + QK / 2));
-    scale[r] = _mm256_mul_ps(d, _mm256_set1_ps(x.scale[x.at(row + r, a)]));
-  }
-  for (int j = 0; j < 4; ++j) {
-    const __m512i q = _mm512_loadu_si512(g + 2 * j * QK);
-    const __m512i even = _mm512_srai_epi16(_mm512_slli_epi16(q, 8), 8);
-    const __m512i odd = _mm512_srai_epi16(q, 8);
-    for (int r = 0; r < R; ++r)
-      add_scaled(s.acc[r][j], dot(even, even_x[r], odd, odd_x[r]), scale[r], q8_lanes(j));
-  }
+inline void block_rows(const QuantRows& x, int64_t row, int64_t a, int64_t i[R]) {
+  for (int r = 0; r < R; ++r) i[r] = x.at(row + r, a);
 }
 
-// A 32-weight block g of the 4- and 5-bit types, as ::small_block.
+// A 32-weight block g, as ::small_block.
 template <int64_t Type, int R>
 inline void small_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a,
                         Sums<R>& s) {
-  const int16_t* xq[R];
-  row_values<R>(x, row, a, xq);
-  __m512i totals[R][1][2];
-  block_totals<high_bits(Type), 1, 0, R>(g, xq, totals);
-  const __m256 d = fp16x8(g + values_bytes(Type)), m = block_offsets<Type>(g, d);
+  int64_t i[R];
+  block_rows<R>(x, row, a, i);
+  __m512i t[R][2];
+  block_totals<Type, R>(g, x, i, t);
+  const __m512 d = fp16x16(g + d_at(Type));
+  const __m512 m = stored_offset(Type) ? fp16x16(g + m_at(Type))
+                                       : _mm512_mul_ps(d, set16(-centre(Type)));
   for (int r = 0; r < R; ++r) {
-    const int64_t i = x.at(row + r, a);
-    const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x.scale[i]));
-    for (int h = 0; h < 2; ++h) add_scaled(s.acc[r][h], totals[r][0][h], scale, nibble_lanes(h));
-    s.off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum[i]), s.off[r]);
+    const __m512 total = _mm512_cvtepi32_ps(_mm512_add_epi32(t[r][0], t[r][1]));
+    s.acc[r] = _mm512_fmadd_ps(total, _mm512_mul_ps(d, set16(x.scale[i[r]])), s.acc[r]);
+    if constexpr (Type != GGML_Q8_0)
+      s.off[r] = _mm512_fmadd_ps(m, set16(x.scaled_sum[i[r]]), s.off[r]);
   }
 }
 
 // A Q4_K superblock, as ::q4k_block.
 template <int R>
 inline void q4k_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a, Sums<R>& s) {
-  const __m256 d = fp16x8(g), dmin = fp16x8(g + 2 * GROUP);
+  const __m512 d = fp16x16(g), dmin = fp16x16(g + 2 * PANEL);
   for (int64_t j = 0; j < SUBS; ++j) {
-    const int16_t* xq[R];
-    row_values<R>(x, row, a + j, xq);
-    __m512i totals[R][1][2];
-    block_totals<0, 1, 0, R>(sub_values(GGML_Q4_K, g, j), xq, totals);
-    __m256 scale, min;
-    q4k_scales(g, d, dmin, j, scale, min);
+    int64_t i[R];
+    block_rows<R>(x, row, a + j, i);
+    __m512i t[R][2];
+    block_totals<GGML_Q4_K, R>(g + sub_values(GGML_Q4_K, j), x, i, t);
+    const __m512 scale = _mm512_mul_ps(d, u8x16(g + Q4K_SCALES + j * PANEL));
+    const __m512 min = _mm512_mul_ps(dmin, u8x16(g + Q4K_MINS + j * PANEL));
     for (int r = 0; r < R; ++r) {
-      const int64_t i = x.at(row + r, a + j);
-      const __m256 dx_scale = _mm256_mul_ps(scale, _mm256_set1_ps(x.scale[i]));
-      for (int h = 0; h < 2; ++h)
-        add_scaled(s.acc[r][h], totals[r][0][h], dx_scale, nibble_lanes(h));
-      s.off[r] = _mm256_fnmadd_ps(min, _mm256_set1_ps(x.scaled_sum[i]), s.off[r]);
+      const __m512 total = _mm512_cvtepi32_ps(_mm512_add_epi32(t[r][0], t[r][1]));
+      s.acc[r] = _mm512_fmadd_ps(total, _mm512_mul_ps(scale, set16(x.scale[i[r]])), s.acc[r]);
+      s.off[r] = _mm512_fnmadd_ps(min, set16(x.scaled_sum[i[r]]), s.off[r]);
     }
   }
 }
 
-// A Q6_K superblock, as ::q6k_block but with q - 32 multiplied (int16 holds it), so its
-// sub-blocks need no centring term.
+// A Q6_K superblock, as ::q6k_block.
 template <int R>
 inline void q6k_block(const uint8_t* g, const QuantRows& x, int64_t row, int64_t a, Sums<R>& s) {
-  const __m256 d = fp16x8(g);
+  const __m512 d = fp16x16(g);
   for (int64_t j = 0; j < SUBS; ++j) {
-    const int16_t* xq[R];
-    row_values<R>(x, row, a + j, xq);
-    __m512i totals[R][2][2];
-    block_totals<2, 2, centre(GGML_Q6_K), R>(sub_values(GGML_Q6_K, g, j), xq, totals);
-    __m256 scale[2];
-    q6k_scales(g, d, j, scale);
+    int64_t i[R];
+    block_rows<R>(x, row, a + j, i);
+    __m512i t[R][2];
+    block_totals<GGML_Q6_K, R>(g + sub_values(GGML_Q6_K, j), x, i, t);
+    __m512 scale[2];
+    for (int part = 0; part < 2; ++part)
+      scale[part] = _mm512_mul_ps(d, i8x16(g + Q6K_SCALES + (2 * j + part) * PANEL));
     for (int r = 0; r < R; ++r) {
-      const __m256 dx = _mm256_set1_ps(x.scale[x.at(row + r, a + j)]);
-      for (int part = 0; part < 2; ++part)
-        for (int h = 0; h < 2; ++h)
-          add_scaled(s.acc[r][h], totals[r][part][h], _mm256_mul_ps(scale[part], dx),
-                     nibble_lanes(h));
+      __m512 sum = _mm512_setzero_ps();
+      for (int part = 0; part < 2; ++part) {
+        const int32_t offset = centre(GGML_Q6_K) * x.half_sums[2 * i[r] + part];
+        const __m512i centred = _mm512_sub_epi32(t[r][part], _mm512_set1_epi32(offset));
+        sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), scale[part], sum);
+      }
+      s.acc[r] = _mm512_fmadd_ps(sum, set16(x.scale[i[r]]), s.acc[r]);
     }
   }
 }
 
-// The 8 column totals of lane sums: 4 registers (Q8_0) of two columns' 8 lanes, or 2 of
-// four columns' 4 lanes (columns 0, 4, 1, 5 and 2, 6, 3, 7), column c in lane c.
-inline __m256 lo(__m512 v) { return _mm512_castps512_ps256(v); }
-inline __m256 hi(__m512 v) { return _mm512_extractf32x8_ps(v, 1); }
-inline __m256 column_totals(const __m512 acc[4], bool q8) {
-  if (!q8) {  // [c0 c1 c2 c3 | c4 c5 c6 c7] after two rounds of pairwise sums
-    return _mm256_hadd_ps(_mm256_hadd_ps(lo(acc[0]), hi(acc[0])),
-                          _mm256_hadd_ps(lo(acc[1]), hi(acc[1])));
-  }
-  __m256 pair[4];  // [c2j c2j c2j+1 c2j+1 | the same of lanes 4-7]
-  for (int j = 0; j < 4; ++j) pair[j] = _mm256_hadd_ps(lo(acc[j]), hi(acc[j]));
-  const __m256 low = _mm256_hadd_ps(pair[0], pair[1]), high = _mm256_hadd_ps(pair[2], pair[3]);
-  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
-                       _mm256_permute2f128_ps(low, high, 0x31));
-}
-
-// One group's 8 outputs for rows row..row+R-1, as ::group_rows.
+// One panel's 16 outputs for rows row..row+R-1, as ::panel_rows.
 template <int64_t Type, int R>
-void group_rows(const uint8_t* g, const QuantRows& x, int64_t row, float* y, int64_t ld) {
+void panel_rows(const uint8_t* g, const QuantRows& x, int64_t row, float* y, int64_t ld) {
   Sums<R> s;
-  for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < 4; ++j) s.acc[r][j] = _mm512_setzero_ps();
-    s.off[r] = _mm256_setzero_ps();
-  }
+  for (int r = 0; r < R; ++r) s.acc[r] = s.off[r] = _mm512_setzero_ps();
   constexpr int64_t step = block_weights(Type) / QK;
-  for (int64_t a = 0; a < x.blocks; a += step, g += group_bytes(Type)) {
+  for (int64_t a = 0; a < x.blocks; a += step, g += panel_bytes(Type)) {
     prefetch_ahead<Type>(g);
-    if constexpr (Type == GGML_Q8_0) q8_block<R>(g, x, row, a, s);
-    else if constexpr (Type == GGML_Q4_K) q4k_block<R>(g, x, row, a, s);
+    if constexpr (Type == GGML_Q4_K) q4k_block<R>(g, x, row, a, s);
     else if constexpr (Type == GGML_Q6_K) q6k_block<R>(g, x, row, a, s);
     else small_block<Type, R>(g, x, row, a, s);
   }
-  for (int r = 0; r < R; ++r)
-    _mm256_storeu_ps(y + r * ld,
-                     _mm256_add_ps(column_totals(s.acc[r], Type == GGML_Q8_0), s.off[r]));
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ld, _mm512_add_ps(s.acc[r], s.off[r]));
 }
 
 }  // namespace vnni
@@ -615,28 +528,28 @@ bool use_vnni = HAS_VNNI;
 template <int64_t Type>
 void linear(const QuantRows& x, int64_t rows, const uint8_t* packed, int64_t n, const float* bias,
             const float* residual, float* y) {
-  const int64_t groups = (n + GROUP - 1) / GROUP;
-  const int64_t stride = x.blocks * QK / block_weights(Type) * group_bytes(Type);
-  const int64_t col_jobs = (groups + JOB_GROUPS - 1) / JOB_GROUPS;
+  const int64_t panels = (n + PANEL - 1) / PANEL;
+  const int64_t stride = x.blocks * QK / block_weights(Type) * panel_bytes(Type);
+  const int64_t col_jobs = (panels + JOB_PANELS - 1) / JOB_PANELS;
   const int64_t row_jobs = (rows + JOB_ROWS - 1) / JOB_ROWS;
   // passes[n - 1]: the kernel for n rows, chosen once a call
   using Pass = void (*)(const uint8_t*, const QuantRows&, int64_t, float*, int64_t);
-  const Pass passes[2] = {use_vnni ? vnni::group_rows<Type, 1> : group_rows<Type, 1>,
-                          use_vnni ? vnni::group_rows<Type, 2> : group_rows<Type, 2>};
+  const Pass passes[2] = {use_vnni ? vnni::panel_rows<Type, 1> : panel_rows<Type, 1>,
+                          use_vnni ? vnni::panel_rows<Type, 2> : panel_rows<Type, 2>};
   parallel_jobs(col_jobs * row_jobs, [&](int64_t begin, int64_t end) {
-    alignas(32) float out[2 * GROUP];
+    alignas(64) float out[2 * PANEL];
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t g0 = (job % col_jobs) * JOB_GROUPS, r0 = (job / col_jobs) * JOB_ROWS;
-      const int64_t g1 = std::min(groups, g0 + JOB_GROUPS), r1 = std::min(rows, r0 + JOB_ROWS);
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t cols = std::min(GROUP, n - g * GROUP);
+      const int64_t p0 = (job % col_jobs) * JOB_PANELS, r0 = (job / col_jobs) * JOB_ROWS;
+      const int64_t p1 = std::min(panels, p0 + JOB_PANELS), r1 = std::min(rows, r0 + JOB_ROWS);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t cols = std::min(PANEL, n - p * PANEL);
         for (int64_t r = r0; r < r1; r += 2) {
           const int64_t count = std::min<int64_t>(2, r1 - r);
-          passes[count - 1](packed + g * stride, x, r, out, GROUP);
+          passes[count - 1](packed + p * stride, x, r, out, PANEL);
           for (int64_t i = 0; i < count; ++i)
             for (int64_t c = 0; c < cols; ++c) {
-              const int64_t col = g * GROUP + c;
-              y[(r + i) * n + col] = out[i * GROUP + c] + (bias ? bias[col] : 0.f) +
+              const int64_t col = p * PANEL + c;
+              y[(r + i) * n + col] = out[i * PANEL + c] + (bias ? bias[col] : 0.f) +
                                      (residual ? residual[(r + i) * n + col] : 0.f);
             }
         }
@@ -721,59 +634,58 @@ Decoded decode(const uint8_t* src) {
   return out;
 }
 
-// Column c's 32 values q (unsigned, 4 + high bits) of one block into a packed block's
-// values, as `expand` reads them. High bits: 32-byte registers of 4 / high rows each; in
-// 16-bit lane i of column c's half (c < 4: lanes 0-7), at bit 2 high (row's place among
-// them), the bits of values 2i (low byte) and 2i + 1 (high byte), then of 2i + 16, 2i + 17.
-void place_values(const uint8_t* q, int high, int64_t c, uint8_t* values) {
-  uint8_t* nib = values + (c % 4) * QK + (c / 4) * (QK / 2);
-  for (int64_t j = 0; j < QK / 2; ++j) nib[j] = (q[j] & 15) | (q[j + QK / 2] & 15) << 4;
-  if (high == 0) return;
-  const int rows = 4 / high, at = 2 * high * (c % 4 % rows);
-  uint8_t* reg = values + NIBBLE_BYTES + c % 4 / rows * QK;
-  for (int i = 0; i < 8; ++i) {
-    uint8_t* lane = reg + 2 * ((c / 4) * 8 + i);
-    for (int b = 0; b < 2; ++b)
-      lane[b] |= (q[2 * i + b] >> 4) << at | (q[2 * i + b + 16] >> 4) << (at + high);
-  }
+// Column c's 32 values q (unsigned, 4 + high bits; Q8_0: its int8 bits) of one block into
+// a panel block's values, as quad_bytes reads them.
+void place_values(const uint8_t* q, int64_t type, int64_t c, uint8_t* values) {
+  for (int64_t j = 0; j < QUADS; ++j)
+    for (int64_t i = 0; i < QUAD; ++i) {
+      const uint8_t value = q[QUAD * j + i];
+      const int64_t lane = QUAD * c + i;
+      if (type == GGML_Q8_0) {
+        values[j * QUAD_BYTES + lane] = value;
+        continue;
+      }
+      values[j % 4 * QUAD_BYTES + lane] |= (value & 15) << (j < 4 ? 0 : 4);
+      const int high = high_bits(type);
+      if (high == 0) continue;
+      const int64_t reg = high == 1 ? 0 : j / 4, at = high == 1 ? j : 2 * (j % 4);
+      values[NIBBLE_BYTES + reg * QUAD_BYTES + lane] |= (value >> 4) << at;
+    }
 }
 
-// A decoded block of column c into its group's packed block o.
+// A decoded block of column c into its panel's packed block o.
 template <int64_t Type>
 void place(const Decoded& b, int64_t c, uint8_t* o) {
   if constexpr (k_quant(Type)) {
     std::memcpy(o + 2 * c, &b.d, 2);
     if constexpr (Type == GGML_Q4_K) {
-      std::memcpy(o + 2 * GROUP + 2 * c, &b.m, 2);
+      std::memcpy(o + 2 * PANEL + 2 * c, &b.m, 2);
       for (int64_t j = 0; j < SUBS; ++j) {
-        o[4 * GROUP + j * GROUP + c] = b.scales[j];
-        o[4 * GROUP + (SUBS + j) * GROUP + c] = b.mins[j];
+        o[Q4K_SCALES + j * PANEL + c] = b.scales[j];
+        o[Q4K_MINS + j * PANEL + c] = b.mins[j];
       }
     } else {
-      for (int64_t j = 0; j < QK_K / Q6_SUB; ++j) o[2 * GROUP + j * GROUP + c] = b.scales[j];
+      for (int64_t j = 0; j < QK_K / Q6_SUB; ++j) o[Q6K_SCALES + j * PANEL + c] = b.scales[j];
     }
     for (int64_t j = 0; j < SUBS; ++j)
-      place_values(b.q + j * QK, high_bits(Type), c,
-                   o + header_bytes(Type) + j * values_bytes(Type));
+      place_values(b.q + j * QK, Type, c, o + sub_values(Type, j));
   } else {
-    uint8_t* scales = o + values_bytes(Type);
-    std::memcpy(scales + 2 * c, &b.d, 2);
-    if constexpr (stored_offset(Type)) std::memcpy(scales + 2 * GROUP + 2 * c, &b.m, 2);
-    if constexpr (Type == GGML_Q8_0) std::memcpy(o + c * QK, b.q, QK);
-    else place_values(b.q, high_bits(Type), c, o);
+    std::memcpy(o + d_at(Type) + 2 * c, &b.d, 2);
+    if constexpr (stored_offset(Type)) std::memcpy(o + m_at(Type) + 2 * c, &b.m, 2);
+    place_values(b.q, Type, c, o);
   }
 }
 
 template <int64_t Type>
 void pack(const uint8_t* w, int64_t n, int64_t blocks, uint8_t* out) {
-  const int64_t groups = (n + GROUP - 1) / GROUP, row_bytes = blocks * gguf_bytes(Type);
-  parallel_jobs(groups, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
+  const int64_t panels = (n + PANEL - 1) / PANEL, row_bytes = blocks * gguf_bytes(Type);
+  parallel_jobs(panels, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
       for (int64_t b = 0; b < blocks; ++b) {
-        uint8_t* o = out + (g * blocks + b) * group_bytes(Type);
-        std::fill(o, o + group_bytes(Type), 0);
-        for (int64_t c = 0; c < std::min(GROUP, n - g * GROUP); ++c)
-          place<Type>(decode<Type>(w + (g * GROUP + c) * row_bytes + b * gguf_bytes(Type)), c, o);
+        uint8_t* o = out + (p * blocks + b) * panel_bytes(Type);
+        std::fill(o, o + panel_bytes(Type), 0);
+        for (int64_t c = 0; c < std::min(PANEL, n - p * PANEL); ++c)
+          place<Type>(decode<Type>(w + (p * PANEL + c) * row_bytes + b * gguf_bytes(Type)), c, o);
       }
   });
 }
@@ -817,10 +729,10 @@ Tensor quant_pack(const Tensor& weight, int64_t type) {
     return block_weight(weight.view(torch::kBFloat16));
   }
   const int64_t blocks = gguf_blocks(weight, type), n = weight.size(0);
-  const int64_t groups = (n + GROUP - 1) / GROUP;
+  const int64_t panels = (n + PANEL - 1) / PANEL;
   return by_type(type, [&](auto t) {
     constexpr int64_t T = decltype(t)::value;
-    Tensor out = torch::empty({groups, blocks * group_bytes(T)}, torch::kUInt8);
+    Tensor out = torch::empty({panels, blocks * panel_bytes(T)}, torch::kUInt8);
     pack<T>(weight.data_ptr<uint8_t>(), n, blocks, out.data_ptr<uint8_t>());
     return out;
   });
@@ -842,8 +754,8 @@ Tensor quant_linear(const Tensor& x, const Tensor& packed, int64_t type, int64_t
     constexpr int64_t T = decltype(t)::value;
     TORCH_CHECK(k % block_weights(T) == 0, "x's K = ", k, " is not whole blocks of ",
                 block_weights(T), " weights (K-quants' superblocks are 256)");
-    TORCH_CHECK(packed.dim() == 2 && packed.size(0) == (n + GROUP - 1) / GROUP &&
-                    packed.size(1) == k / block_weights(T) * group_bytes(T),
+    TORCH_CHECK(packed.dim() == 2 && packed.size(0) == (n + PANEL - 1) / PANEL &&
+                    packed.size(1) == k / block_weights(T) * panel_bytes(T),
                 "packed weight does not match [", n, ", ", k, "]");
   });
   TORCH_CHECK(!residual || (residual->is_contiguous() && residual->size(0) == rows &&

@@ -23,8 +23,8 @@ constexpr int64_t GGML_BF16 = 30;
 int64_t quant_block_bytes(int64_t type);
 
 // A GGUF weight W [N, K] (uint8 [N, K / block weights * quant_block_bytes(type)], each row
-// its blocks along K, as the file holds it) in quant_linear's layout: groups of 8 output
-// columns, each group its blocks along K, 8 columns' values then their scales (quant.cpp
+// its blocks along K, as the file holds it) in quant_linear's layout: panels of 16 output
+// columns, each panel its blocks along K, 16 columns' values then their scales (quant.cpp
 // lays them out). About the file's bytes: Q4_K 4.625 bits a weight (its 6-bit sub-block
 // scales a byte each), the others as many as the file's. Columns past N are zero.
 torch::Tensor quant_pack(const torch::Tensor& weight, int64_t type);
@@ -37,6 +37,6 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, 
                            const std::optional<torch::Tensor>& residual);
 
 // Whether quant_linear runs its AVX-512 VNNI kernels (by default where the CPU has them:
-// the same products, summed in another order). `enable` switches them, for tests and
+// the same integer totals, scaled in another order). `enable` switches them, for tests and
 // side-by-side runs; never while serving, since a sequence's logits would change mid-way.
 bool quant_vnni(std::optional<bool> enable);
