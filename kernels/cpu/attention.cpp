@@ -284,6 +284,8 @@ float softmax_chunk(float* p, int64_t n, int64_t padded, int64_t begin, int64_t 
 
 }  // namespace
 
+constexpr int64_t KEYS_AHEAD = 16;
+
 void partial_attention(const float* q, int64_t group, int64_t dim, const KVHead& kv,
                        int64_t begin, int64_t end, int64_t cached, const bool* mask, float* p,
                        float* out, float* max, float* sum) {
@@ -295,13 +297,14 @@ void partial_attention(const float* q, int64_t group, int64_t dim, const KVHead&
     const float* rows[8];
     for (int t = 0; t < 8; ++t)
       rows[t] = kv.k + chunk.ctx[std::min(j + t, n - 1)] * kv.stride + kv.offset;
-    // The next 8 keys' K and V lines, requested while these are scored: slots are rows
-    // of all KV heads, so the hardware prefetchers do not follow one head's lines.
-    for (int64_t t = j + 8; t < std::min(n, j + 16); ++t) {
+    // The next keys' K lines into L1 and their V lines into L2, requested while these are
+    // scored: slots are rows of all KV heads, so the hardware prefetchers do not follow one
+    // head's lines; V waits for the whole chunk's scores, so in L1 it would push K out.
+    for (int64_t t = j + KEYS_AHEAD; t < std::min(n, j + KEYS_AHEAD + 8); ++t) {
       const int64_t at = chunk.ctx[t] * kv.stride + kv.offset;
       for (int64_t d = 0; d < dim; d += 64 / sizeof(float)) {
         _mm_prefetch(reinterpret_cast<const char*>(kv.k + at + d), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(kv.v + at + d), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(kv.v + at + d), _MM_HINT_T1);
       }
     }
     for (int64_t h = 0; h < group; ++h)

@@ -99,12 +99,20 @@ class Decoder {
   // feature_norm (empty: none) makes the one layer an EAGLE-3 head's: its attention reads
   // [input_norm(embedding); feature_norm(feature)] and its residual stream starts at the
   // feature.
+  // rope_cos, rope_sin [positions, head_dim]: the tables rows are looked up in by position.
+  // lm_head (weight empty: none): the LM head's packed weight, block type and vocabulary,
+  // applied to the returned rows where forward is asked for logits.
   Decoder(std::vector<std::vector<Tensor>> layers, std::vector<std::vector<int64_t>> types,
-          Tensor final_norm, Tensor feature_norm, double eps, int64_t num_heads,
+          Tensor final_norm, Tensor feature_norm, Tensor rope_cos, Tensor rope_sin,
+          Tensor lm_head, int64_t lm_head_type, int64_t vocab, double eps, int64_t num_heads,
           int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size)
-      : norm_(final_norm), feature_norm_(feature_norm), eps_(eps), heads_(num_heads),
+      : norm_(final_norm), feature_norm_(feature_norm), cos_(rope_cos), sin_(rope_sin),
+        lm_head_{lm_head, torch::empty(0), lm_head_type, vocab}, eps_(eps), heads_(num_heads),
         kv_heads_(num_kv_heads), dim_(head_dim), hidden_(final_norm.numel()),
         inter_(intermediate_size) {
+    TORCH_CHECK(rope_cos.dim() == 2 && rope_cos.size(1) == head_dim && rope_cos.is_contiguous() &&
+                    rope_sin.sizes() == rope_cos.sizes() && rope_sin.is_contiguous(),
+                "rope tables [positions, head_dim], contiguous");
     TORCH_CHECK(layers.size() == types.size(), "a matmul type list per layer");
     TORCH_CHECK(head_dim % 8 == 0, "head_dim a multiple of 8 (attention's AVX rows)");
     TORCH_CHECK(!feature_norm.numel() || layers.size() == 1, "a feature norm takes one layer");
@@ -120,23 +128,27 @@ class Decoder {
   }
 
   // x [rows, hidden] embedded tokens; features [rows, hidden] their features where the
-  // decoder has a feature norm (else empty); cos/sin [rows, head_dim] at their positions;
-  // slot_mapping [rows] cache slot of each row. Returns the final-normed hidden states and
-  // the hidden states before that norm, both at `out_rows`, then the residual stream after
-  // each layer in `aux_layers` (all rows), in that order.
-  std::vector<Tensor> forward(Tensor x, Tensor features, Tensor cos, Tensor sin,
-                              Tensor slot_mapping, Tensor spans, Tensor slots, Tensor masks,
-                              std::vector<int64_t> aux_layers, Tensor out_rows) {
+  // decoder has a feature norm (else empty); positions [rows]; spans [count, 5] (first
+  // row, new rows, cached tokens, offset into block_ids, offset into masks or -1), each
+  // span's block ids as many as its tokens fill from that offset. Returns the final-normed
+  // hidden states (with `logits`, the LM head's logits of them) and the hidden states
+  // before that norm, both at `out_rows`, then the residual stream after each layer in
+  // `aux_layers` (all rows), in that order.
+  std::vector<Tensor> forward(Tensor x, Tensor features, Tensor positions, Tensor spans,
+                              Tensor block_ids, int64_t block_size, Tensor masks,
+                              std::vector<int64_t> aux_layers, Tensor out_rows, bool logits) {
     const int64_t rows = x.size(0);
     const int64_t q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
     const int64_t qkv_size = q_size + 2 * kv_size;
+    TORCH_CHECK(!logits || lm_head_.weight.numel(), "this decoder has no LM head");
     auto opts = x.options();
     Tensor h = x.contiguous();
     Tensor normed = torch::empty({rows, hidden_}, opts), attn = torch::empty({rows, q_size}, opts);
     Tensor act = torch::empty({rows, inter_}, opts);
-    const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-    const int64_t* slot_of_row = slot_mapping.data_ptr<int64_t>();
-    Spans s{spans.data_ptr<int64_t>(), spans.size(0), slots.data_ptr<int64_t>(),
+    const std::vector<int64_t> pos = row_positions(positions, rows);
+    const SpanSlots slotted = span_slots(spans, block_ids, block_size, rows);
+    const int64_t* slot_of_row = slotted.new_slots.data();
+    Spans s{slotted.table.data(), spans.size(0), slotted.slots.data(),
             masks.numel() ? masks.data_ptr<bool>() : nullptr};
     // Every row's K and V are written at every layer, but past them the last layer is
     // needed only at the rows returned, unless its output is captured for all rows.
@@ -155,7 +167,9 @@ class Decoder {
         std::vector<float> rope_tmp(dim_);
         for (int64_t r = begin; r < end; ++r) {
           float* row = qp + r * qkv_size;
-          rope(row, heads_ + kv_heads_, dim_, cp + r * dim_, sp + r * dim_, rope_tmp.data());
+          const float* cp = cos_.data_ptr<float>() + pos[r] * dim_;
+          const float* sp = sin_.data_ptr<float>() + pos[r] * dim_;
+          rope(row, heads_ + kv_heads_, dim_, cp, sp, rope_tmp.data());
           std::copy(row + q_size, row + q_size + kv_size, kc + slot_of_row[r] * kv_size);
           std::copy(row + q_size + kv_size, row + qkv_size, vc + slot_of_row[r] * kv_size);
         }
@@ -177,12 +191,55 @@ class Decoder {
     Tensor final_normed = torch::empty({h.size(0), hidden_}, opts);
     rms_norm(h.data_ptr<float>(), norm_.data_ptr<float>(), eps_, h.size(0), hidden_,
              final_normed.data_ptr<float>());
-    out[0] = final_normed;
+    out[0] = logits ? lm_head_(final_normed, std::nullopt) : final_normed;
     out[1] = h;
     return out;
   }
 
  private:
+  // Each row's position, checked against the rope tables.
+  std::vector<int64_t> row_positions(const Tensor& positions, int64_t rows) const {
+    TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.numel() == rows,
+                "positions [rows] int64");
+    const Tensor p = positions.contiguous();
+    std::vector<int64_t> pos(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + rows);
+    for (const int64_t at : pos)
+      TORCH_CHECK(at >= 0 && at < cos_.size(0), "position ", at, " past the rope tables");
+    return pos;
+  }
+
+  // The spans' context slots (cached then new), from their block ids: `table` is the
+  // spans' with column 3 their offset into `slots`; new_slots[row] the slot a new row's K
+  // and V go to.
+  struct SpanSlots {
+    std::vector<int64_t> table, slots, new_slots;
+  };
+  static SpanSlots span_slots(const Tensor& spans, const Tensor& block_ids, int64_t block_size,
+                              int64_t rows) {
+    TORCH_CHECK(spans.scalar_type() == torch::kLong && spans.dim() == 2 && spans.size(1) == 5 &&
+                    block_ids.scalar_type() == torch::kLong && block_size > 0,
+                "spans [count, 5] and block ids int64");
+    const Tensor t = spans.contiguous(), b = block_ids.contiguous();
+    const int64_t* ids = b.data_ptr<int64_t>();
+    SpanSlots out{std::vector<int64_t>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel()),
+                  {}, std::vector<int64_t>(rows, -1)};
+    for (int64_t i = 0; i < t.size(0); ++i) {
+      int64_t* span = out.table.data() + i * 5;
+      const int64_t first = span[0], num_new = span[1], cached = span[2], total = cached + num_new;
+      TORCH_CHECK(first >= 0 && num_new >= 0 && cached >= 0 && first + num_new <= rows,
+                  "span ", i, " past the step's rows");
+      TORCH_CHECK(span[3] >= 0 && span[3] + (total + block_size - 1) / block_size <= b.numel(),
+                  "span ", i, " past the block ids");
+      const int64_t at = static_cast<int64_t>(out.slots.size());
+      for (int64_t k = 0; k < total; ++k)
+        out.slots.push_back(ids[span[3] + k / block_size] * block_size + k % block_size);
+      for (int64_t k = 0; k < num_new; ++k) out.new_slots[first + k] = out.slots[at + cached + k];
+      span[3] = at;
+    }
+    for (const int64_t slot : out.new_slots) TORCH_CHECK(slot >= 0, "a row in no span");
+    return out;
+  }
+
   // A layer's attention input: its input norm of the residual stream h (into `normed`), or
   // in an EAGLE-3 head [input_norm(h); feature_norm(features)], h becoming the features.
   Tensor attention_input(const Layer& l, Tensor& h, const Tensor& features, Tensor& normed) const {
@@ -323,7 +380,8 @@ class Decoder {
   static int64_t chunks(int64_t keys) { return (keys + DECODE_KEYS - 1) / DECODE_KEYS; }
 
   std::vector<Layer> layers_;
-  Tensor norm_, feature_norm_;
+  Tensor norm_, feature_norm_, cos_, sin_;
+  Matmul lm_head_;
   float eps_;
   int64_t heads_, kv_heads_, dim_, hidden_, inter_;
 };
@@ -417,7 +475,8 @@ Tensor argmax_op(const Tensor& x) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<std::vector<std::vector<Tensor>>, std::vector<std::vector<int64_t>>,
-                          Tensor, Tensor, double, int64_t, int64_t, int64_t, int64_t>())
+                          Tensor, Tensor, Tensor, Tensor, Tensor, int64_t, int64_t, double,
+                          int64_t, int64_t, int64_t, int64_t>())
       .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("block_weight", &block_weight);
   m.def("causal_attention", &causal_attention_op,

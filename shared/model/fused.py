@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from specmesh.shared.model.attention import SequenceSpan, context_slots
+from specmesh.shared.model.attention import SequenceSpan
 from specmesh.shared.model.config import ModelConfig
 from specmesh.shared.model.layers import Linear, RMSNorm
 from specmesh.shared.model.llama import LlamaForCausalLM
@@ -55,27 +55,32 @@ def _kernel(
 
 def _span_table(
     spans: list[SequenceSpan], block_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """decoder.cpp's view of a step's spans: the [count, 5] table (first row, new rows,
-    cached tokens, offset into the context slots, offset into the masks or -1), every
-    span's context slots, the new rows' slots, and the flattened masks."""
-    table, slots, new_slots, masks = [], [], [], []
-    row = slot_offset = mask_offset = 0
+    cached tokens, offset into the block ids, offset into the masks or -1), each span's
+    block ids (as many as its tokens fill; decoder.cpp derives the slots from them) and the
+    flattened masks. Built from plain lists, in two tensors: a decode step's Python is
+    otherwise a good part of its time."""
+    table, block_ids, masks = [], [], []
+    row = mask_offset = 0
     for span in spans:
         total = span.num_cached + span.num_new
-        ctx = context_slots(span.block_table, total, block_size)
-        if len(ctx) < total:  # the kernel trusts its slots: never let it write past them
+        blocks = -(-total // block_size)
+        if len(span.block_table) < blocks:  # the kernel trusts its slots: never past them
             raise IndexError(f"block table of {len(span.block_table)} blocks < {total} tokens")
         mask_at = -1
         if span.mask is not None:
             mask_at, mask_offset = mask_offset, mask_offset + span.num_new**2
             masks.append(span.mask.flatten())
-        table.append((row, span.num_new, span.num_cached, slot_offset, mask_at))
-        slots.append(ctx)
-        new_slots.append(ctx[span.num_cached :])
-        row, slot_offset = row + span.num_new, slot_offset + total
+        table.append((row, span.num_new, span.num_cached, len(block_ids), mask_at))
+        block_ids += span.block_table[:blocks]
+        row += span.num_new
     flat_masks = torch.cat(masks) if masks else torch.empty(0, dtype=torch.bool)
-    return torch.tensor(table, dtype=torch.long), torch.cat(slots), torch.cat(new_slots), flat_masks
+    return (
+        torch.tensor(table, dtype=torch.long),
+        torch.tensor(block_ids, dtype=torch.long),
+        flat_masks,
+    )
 
 
 class FusedDecoder:
@@ -90,15 +95,20 @@ class FusedDecoder:
         kv_layers: KVLayers,
         rope: tuple[torch.Tensor, torch.Tensor],
         feature_norm: RMSNorm | None = None,
+        lm_head: Linear | None = None,
     ) -> None:
-        self.rope_cos, self.rope_sin = rope
-        self.head_dim = cfg.head_dim
         weights = [[w.detach() for w in _weights(layer)] for layer in layers]
+        none = torch.empty(0)
+        self.has_lm_head = lm_head is not None
         self.decoder = kernel.Decoder(
             [w + list(kv) for w, kv in zip(weights, kv_layers, strict=True)],
             [[m.block_type for m in _linears(layer)] for layer in layers],
             norm.weight.detach(),
-            torch.empty(0) if feature_norm is None else feature_norm.weight.detach(),
+            none if feature_norm is None else feature_norm.weight.detach(),
+            *(t.reshape(-1, cfg.head_dim).contiguous() for t in rope),  # [positions, dim]
+            none if lm_head is None else lm_head.packed,
+            0 if lm_head is None else lm_head.block_type,
+            0 if lm_head is None else lm_head.out_features,
             cfg.rms_norm_eps,
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -117,7 +127,8 @@ class FusedDecoder:
         if kernel is None:
             return None
         rope = (model.rope_cos, model.rope_sin)
-        return cls(kernel, model.config, model.layers, model.norm, kv_layers, rope)
+        head = model.lm_head if model.lm_head.packed is not None else None
+        return cls(kernel, model.config, model.layers, model.norm, kv_layers, rope, None, head)
 
     @classmethod
     def eagle3(cls, head: nn.Module, kv_layers: KVLayers) -> FusedDecoder | None:
@@ -138,24 +149,24 @@ class FusedDecoder:
         out_rows: torch.Tensor,
         aux_layers: tuple[int, ...] = (),
         features: torch.Tensor | None = None,
+        logits: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """As `LlamaForCausalLM.forward` from token embeddings [T, hidden] (and an EAGLE-3
         head's features [T, hidden]), but the hidden states only at `out_rows` ([R] row
         indices): the last layer skips the other rows past their K and V. Returns those
-        rows final-normed and before the norm, and the aux layers' outputs (all rows)."""
-        table, slots, new_slots, masks = _span_table(spans, block_size)
-        cos = self.rope_cos[positions].view(-1, self.head_dim)
-        sin = self.rope_sin[positions].view(-1, self.head_dim)
+        rows final-normed (with `logits`, where the decoder holds the model's LM head: their
+        logits) and before the norm, and the aux layers' outputs (all rows)."""
+        table, block_ids, masks = _span_table(spans, block_size)
         out = self.decoder.forward(
             embeds,
             torch.empty(0) if features is None else features,
-            cos,
-            sin,
-            new_slots,
+            positions,
             table,
-            slots,
+            block_ids,
+            block_size,
             masks,
             list(aux_layers),
             out_rows,
+            logits,
         )
         return out[0], out[1], out[2:]
