@@ -77,24 +77,38 @@ struct QuantRows {
   int64_t value(int64_t row, int64_t block) const { return at(row, block) * QK; }
 };
 
-// One block of 32 values v as int16 q with scale d: q = round(v / d), d = max |v| / 32767.
-void quantize_block(const float* v, int16_t* q, float& d) {
+// One block i of 32 values v into `rows`: int16 q = round(v / d) with d = max |v| / 32767,
+// their bytes, and the sums.
+void quantize_block(const float* v, int64_t i, QuantRows& rows) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 x[4], top = _mm256_setzero_ps();
   for (int j = 0; j < 4; ++j) {
     x[j] = _mm256_loadu_ps(v + 8 * j);
     top = _mm256_max_ps(top, _mm256_andnot_ps(sign, x[j]));
   }
-  const float amax = hmax(top);
-  d = amax / 32767.f;
+  const float amax = hmax(top), d = amax / 32767.f;
   const __m256 inv = _mm256_set1_ps(amax > 0.f ? 1.f / d : 0.f);
-  for (int j = 0; j < 4; j += 2) {  // rounded to nearest even, as nearbyint
-    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(x[j], inv));
-    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(x[j + 1], inv));
-    // packs works per 128-bit half: the permute puts the 16 values back in order
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * j), packed);
+  // packs works per 128-bit half, to 16- and 8-bit alike: a permute puts values in order
+  const auto in_order = [](__m256i v) { return _mm256_permute4x64_epi64(v, 0xD8); };
+  __m256i q[2];  // values 0-15, 16-31
+  for (int h = 0; h < 2; ++h) {  // rounded to nearest even, as nearbyint
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(x[2 * h], inv));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(x[2 * h + 1], inv));
+    rows.half_sums[2 * i + h] = hsum_epi32(_mm256_add_epi32(a, b));
+    q[h] = in_order(_mm256_packs_epi32(a, b));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows.q.data() + i * QK + 16 * h), q[h]);
   }
+  const __m256i byte = _mm256_set1_epi16(255);
+  const __m256i hi[2] = {_mm256_srai_epi16(q[0], 8), _mm256_srai_epi16(q[1], 8)};
+  const __m256i lo = _mm256_packus_epi16(_mm256_and_si256(q[0], byte), _mm256_and_si256(q[1], byte));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows.lo.data() + i * QK), in_order(lo));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows.hi.data() + i * QK),
+                      in_order(_mm256_packs_epi16(hi[0], hi[1])));
+  const __m256i ones = _mm256_set1_epi16(1);
+  rows.hi_sums[i] = hsum_epi32(
+      _mm256_add_epi32(_mm256_madd_epi16(hi[0], ones), _mm256_madd_epi16(hi[1], ones)));
+  rows.scale[i] = d;
+  rows.scaled_sum[i] = d * static_cast<float>(rows.half_sums[2 * i] + rows.half_sums[2 * i + 1]);
 }
 
 QuantRows quantize_rows(const float* x, int64_t rows, int64_t k) {
@@ -104,21 +118,7 @@ QuantRows quantize_rows(const float* x, int64_t rows, int64_t k) {
                 std::vector<float>(n),          std::vector<int32_t>(2 * n),
                 std::vector<int32_t>(n),        blocks};
   parallel_jobs(rows, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin * blocks; i < end * blocks; ++i) {  // block i of all rows
-      int16_t* q = out.q.data() + i * QK;
-      quantize_block(x + i * QK, q, out.scale[i]);
-      int32_t half[2] = {0, 0}, hi_sum = 0;
-      for (int64_t j = 0; j < QK; ++j) {
-        out.lo[i * QK + j] = static_cast<uint8_t>(q[j] & 255);
-        out.hi[i * QK + j] = static_cast<int8_t>(q[j] >> 8);
-        half[j / 16] += q[j];
-        hi_sum += q[j] >> 8;
-      }
-      out.half_sums[2 * i] = half[0];
-      out.half_sums[2 * i + 1] = half[1];
-      out.hi_sums[i] = hi_sum;
-      out.scaled_sum[i] = out.scale[i] * static_cast<float>(half[0] + half[1]);
-    }
+    for (int64_t i = begin * blocks; i < end * blocks; ++i) quantize_block(x + i * QK, i, out);
   });
   return out;
 }
