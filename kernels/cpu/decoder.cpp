@@ -101,7 +101,7 @@ class Decoder {
   // feature.
   // rope_cos, rope_sin [positions, head_dim]: the tables rows are looked up in by position.
   // lm_head (weight empty: none): the LM head's packed weight, block type and vocabulary,
-  // applied to the returned rows where forward is asked for logits.
+  // applied to the returned rows.
   Decoder(std::vector<std::vector<Tensor>> layers, std::vector<std::vector<int64_t>> types,
           Tensor final_norm, Tensor feature_norm, Tensor rope_cos, Tensor rope_sin,
           Tensor lm_head, int64_t lm_head_type, int64_t vocab, double eps, int64_t num_heads,
@@ -131,16 +131,15 @@ class Decoder {
   // decoder has a feature norm (else empty); positions [rows]; spans [count, 5] (first
   // row, new rows, cached tokens, offset into block_ids, offset into masks or -1), each
   // span's block ids as many as its tokens fill from that offset. Returns the final-normed
-  // hidden states (with `logits`, the LM head's logits of them) and the hidden states
+  // hidden states (where the decoder holds an LM head, their logits) and the hidden states
   // before that norm, both at `out_rows`, then the residual stream after each layer in
   // `aux_layers` (all rows), in that order.
   std::vector<Tensor> forward(Tensor x, Tensor features, Tensor positions, Tensor spans,
                               Tensor block_ids, int64_t block_size, Tensor masks,
-                              std::vector<int64_t> aux_layers, Tensor out_rows, bool logits) {
+                              std::vector<int64_t> aux_layers, Tensor out_rows) {
     const int64_t rows = x.size(0);
     const int64_t q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
     const int64_t qkv_size = q_size + 2 * kv_size;
-    TORCH_CHECK(!logits || lm_head_.weight.numel(), "this decoder has no LM head");
     auto opts = x.options();
     Tensor h = x.contiguous();
     Tensor normed = torch::empty({rows, hidden_}, opts), attn = torch::empty({rows, q_size}, opts);
@@ -191,7 +190,7 @@ class Decoder {
     Tensor final_normed = torch::empty({h.size(0), hidden_}, opts);
     rms_norm(h.data_ptr<float>(), norm_.data_ptr<float>(), eps_, h.size(0), hidden_,
              final_normed.data_ptr<float>());
-    out[0] = logits ? lm_head_(final_normed, std::nullopt) : final_normed;
+    out[0] = lm_head_.weight.numel() ? lm_head_(final_normed, std::nullopt) : final_normed;
     out[1] = h;
     return out;
   }

@@ -149,13 +149,12 @@ class FusedDecoder:
         out_rows: torch.Tensor,
         aux_layers: tuple[int, ...] = (),
         features: torch.Tensor | None = None,
-        logits: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """As `LlamaForCausalLM.forward` from token embeddings [T, hidden] (and an EAGLE-3
         head's features [T, hidden]), but the hidden states only at `out_rows` ([R] row
         indices): the last layer skips the other rows past their K and V. Returns those
-        rows final-normed (with `logits`, where the decoder holds the model's LM head: their
-        logits) and before the norm, and the aux layers' outputs (all rows)."""
+        rows final-normed (their logits where the decoder holds the model's LM head,
+        `has_lm_head`) and before the norm, and the aux layers' outputs (all rows)."""
         table, block_ids, masks = _span_table(spans, block_size)
         out = self.decoder.forward(
             embeds,
@@ -167,6 +166,5 @@ class FusedDecoder:
             masks,
             list(aux_layers),
             out_rows,
-            logits,
         )
         return out[0], out[1], out[2:]

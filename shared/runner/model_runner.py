@@ -86,11 +86,9 @@ class ModelRunner:
         plain = embeds is None  # only the model's torch path takes embeddings in
         if plain and self.fused is not None:
             x = self.model.embed_tokens(ids)
-            logits = self.fused.has_lm_head  # the LM head in the same call where it can be
-            out, _, aux = self.fused.forward(
-                x, pos, spans, block_size, out_rows, aux_layers, logits=logits
-            )
-            return (out if logits else self.model.compute_logits(out)), aux
+            out, _, aux = self.fused.forward(x, pos, spans, block_size, out_rows, aux_layers)
+            # logits already where the fused call holds the LM head
+            return (out if self.fused.has_lm_head else self.model.compute_logits(out)), aux
         if plain and self.graphs is not None:
             out = self.graphs.run(spans, ids, pos, aux_layers)  # None: not a decode step
         if out is None:
