@@ -9,7 +9,10 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "attention.h"
@@ -59,8 +62,8 @@ void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
 
 // Causal spans of at least this many new rows attend through attention.cpp's tiles.
 constexpr int64_t TILED_MIN_ROWS = 8;
-// Keys per job of a decode row's attention: a chunk's K and V rows of one KV head (16 KB
-// each at head_dim 64) stay in L1/L2 while the group's query heads use them.
+// Keys per job of a decode row's attention, about: a chunk's K and V rows of every KV head
+// (48 KB each at 3 KV heads of dim 64) stay in L2 while each group's query heads use them.
 constexpr int64_t DECODE_KEYS = 64;
 
 // One of a layer's matmuls: its weight in block_weight's column blocks (type 0) or in
@@ -324,59 +327,78 @@ class Decoder {
   }
 
   // A query row of a rowwise span: its row, the keys it sees (those past `cached` only
-  // where `mask` says), its context slots, and where its chunks' jobs begin.
+  // where `mask` says), its context slots, and its chunks: `chunks` jobs from `first_job`,
+  // `chunk_keys` keys each (the last fewer).
   struct QueryRow {
-    int64_t row, visible, cached, first_job;
+    int64_t row, visible, cached, first_job, chunks, chunk_keys;
     const bool* mask;
     const int64_t* slots;
   };
 
-  // A job per query row, chunk of DECODE_KEYS keys and KV head: the group's query heads
-  // attend together (each K/V row is read once per group; one long row still splits among
-  // the threads). A chunk's jobs are consecutive, so a thread claiming several reads its
-  // cache slots whole. Each head's chunks are merged after.
+  // A row's chunks: about DECODE_KEYS keys each, as many as a multiple of the threads and
+  // of equal size (in whole 8-key groups), so that one row's chunks end together.
+  static std::pair<int64_t, int64_t> split_keys(int64_t visible) {
+    const int64_t threads = get_num_threads();
+    const int64_t n = ((visible + DECODE_KEYS - 1) / DECODE_KEYS + threads - 1) / threads * threads;
+    const int64_t keys = ((visible + n - 1) / n + 7) / 8 * 8;
+    return {(visible + keys - 1) / keys, keys};
+  }
+
+  // A job per query row and chunk of its keys, over every KV head (each slot's K and V
+  // rows, all heads side by side, are read whole and in order); the group's query heads
+  // attend together, each K/V row read once per group. The job that finishes a row's last
+  // chunk merges the row's chunks.
   void row_attention(const float* q, int64_t ld, const float* kc, const float* vc,
                      const Spans& s, const std::vector<const int64_t*>& spans,
                      float* out) const {
     const int64_t group = heads_ / kv_heads_, part = group * (dim_ + 2);
     std::vector<QueryRow> rows;
     std::vector<int64_t> job_row;  // each job's index into rows
+    int64_t most_keys = 0;         // in a chunk
     for (const int64_t* span : spans) {
       const int64_t first = span[0], num_new = span[1], cached = span[2];
       const bool* mask = span[4] < 0 ? nullptr : s.masks + span[4];
       for (int64_t i = 0; i < num_new; ++i) {
         const int64_t visible = cached + (mask ? num_new : i + 1);
-        rows.push_back({first + i, visible, cached, static_cast<int64_t>(job_row.size()),
-                        mask ? mask + i * num_new : nullptr, s.slots + span[3]});
-        job_row.resize(job_row.size() + kv_heads_ * chunks(visible), rows.size() - 1);
+        const auto [chunks, chunk_keys] = split_keys(visible);
+        most_keys = std::max(most_keys, chunk_keys);
+        rows.push_back({first + i, visible, cached, static_cast<int64_t>(job_row.size()), chunks,
+                        chunk_keys, mask ? mask + i * num_new : nullptr, s.slots + span[3]});
+        job_row.resize(job_row.size() + chunks, rows.size() - 1);
       }
     }
-    std::vector<float> partials(job_row.size() * part);
+    // partials[job][kv]: the KV head's group of query heads over the job's chunk
+    std::vector<float> partials(job_row.size() * kv_heads_ * part);
+    const auto chunks_done = std::make_unique<std::atomic<int64_t>[]>(rows.size());
     parallel_jobs(job_row.size(), [&](int64_t begin, int64_t end) {
-      std::vector<float> p(group * (DECODE_KEYS + 8));
+      std::vector<float> p(group * (most_keys + 8));
       for (int64_t job = begin; job < end; ++job) {
         const QueryRow& r = rows[job_row[job]];
-        const int64_t kv = (job - r.first_job) % kv_heads_;
-        const int64_t from = (job - r.first_job) / kv_heads_ * DECODE_KEYS;
-        float* o = partials.data() + job * part;
-        partial_attention(q + r.row * ld + kv * group * dim_, group, dim_,
-                          {kc, vc, r.slots, kv_heads_ * dim_, kv * dim_}, from,
-                          std::min(r.visible, from + DECODE_KEYS), r.cached, r.mask, p.data(),
-                          o, o + group * dim_, o + group * (dim_ + 1));
-      }
-    });
-    parallel_jobs(rows.size() * heads_, [&](int64_t begin, int64_t end) {
-      for (int64_t job = begin; job < end; ++job) {
-        const QueryRow& r = rows[job / heads_];
-        const int64_t h = job % heads_, kv = h / group, g = h % group, n = chunks(r.visible);
-        merge_partials(partials.data() + (r.first_job + kv) * part, n, kv_heads_ * part,
-                       g * dim_, group * dim_ + g, group * (dim_ + 1) + g, dim_,
-                       out + r.row * heads_ * dim_ + h * dim_);
+        const int64_t from = (job - r.first_job) * r.chunk_keys;
+        for (int64_t kv = 0; kv < kv_heads_; ++kv) {
+          float* o = partials.data() + (job * kv_heads_ + kv) * part;
+          partial_attention(q + r.row * ld + kv * group * dim_, group, dim_,
+                            {kc, vc, r.slots, kv_heads_ * dim_, kv * dim_}, from,
+                            std::min(r.visible, from + r.chunk_keys), r.cached, r.mask,
+                            p.data(), o, o + group * dim_, o + group * (dim_ + 1));
+        }
+        // acq_rel: the merging job sees every chunk's partials
+        if (chunks_done[job_row[job]].fetch_add(1, std::memory_order_acq_rel) == r.chunks - 1)
+          merge_row(r, partials.data() + r.first_job * kv_heads_ * part, out);
       }
     });
   }
 
-  static int64_t chunks(int64_t keys) { return (keys + DECODE_KEYS - 1) / DECODE_KEYS; }
+  // Every query head of row r from its chunks' partials (partials[chunk][kv]).
+  void merge_row(const QueryRow& r, const float* partials, float* out) const {
+    const int64_t group = heads_ / kv_heads_, part = group * (dim_ + 2);
+    for (int64_t h = 0; h < heads_; ++h) {
+      const int64_t kv = h / group, g = h % group;
+      merge_partials(partials + kv * part, r.chunks, kv_heads_ * part, g * dim_,
+                     group * dim_ + g, group * (dim_ + 1) + g, dim_,
+                     out + r.row * heads_ * dim_ + h * dim_);
+    }
+  }
 
   std::vector<Layer> layers_;
   Tensor norm_, feature_norm_, cos_, sin_;

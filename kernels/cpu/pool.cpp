@@ -26,12 +26,6 @@ constexpr auto WORKER_SPIN = std::chrono::microseconds(50);
 // between looks, so a worker preempted on the same core can finish.
 constexpr auto CALLER_SPIN = std::chrono::microseconds(50);
 
-// A claim takes 1 / (GUIDED * threads) of the jobs left.
-constexpr int64_t GUIDED = 2;
-
-// The next job of a region not open yet: past any region's jobs.
-constexpr uint64_t CLOSED = 0xFFFFFFFF;
-
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, nullptr,
           nullptr, 0);
@@ -55,12 +49,33 @@ bool spin_until(Done done, Clock::duration limit) {
   }
 }
 
+// Region sizes a share's word holds: a region's jobs below 2^JOB_BITS (parallel_jobs
+// splits larger ones), its generation in the bits left.
+constexpr int JOB_BITS = 20;
+constexpr uint64_t JOB_MASK = (uint64_t{1} << JOB_BITS) - 1;
+constexpr int64_t MAX_JOBS = int64_t{1} << JOB_BITS;
+
+// One thread's share of a region: jobs [begin, end), with the region's generation, in one
+// word. Its owner claims from the front, so its jobs follow each other in memory (one read
+// stream, which the hardware prefetchers follow); a thread whose own share is done takes
+// from the back of another's, so a thread the OS has not scheduled holds up nothing.
+struct alignas(64) Share {
+  std::atomic<uint64_t> word{0};
+
+  static uint64_t pack(uint64_t generation, int64_t begin, int64_t end) {
+    return generation << (2 * JOB_BITS) | static_cast<uint64_t>(begin) << JOB_BITS |
+           static_cast<uint64_t>(end);
+  }
+  static int64_t begin(uint64_t w) { return static_cast<int64_t>(w >> JOB_BITS & JOB_MASK); }
+  static int64_t end(uint64_t w) { return static_cast<int64_t>(w & JOB_MASK); }
+};
+
 thread_local bool in_region = false;  // set on workers too: a nested region runs inline
 
 class Pool {
  public:
-  explicit Pool(int64_t threads) : threads_(threads) {
-    for (int64_t i = 1; i < threads; ++i) workers_.emplace_back([this] { work(); });
+  explicit Pool(int64_t threads) : threads_(threads), shares_(threads) {
+    for (int64_t i = 1; i < threads; ++i) workers_.emplace_back([this, i] { work(i); });
   }
 
   ~Pool() {
@@ -71,45 +86,58 @@ class Pool {
   }
 
   void run(int64_t jobs, const Job& fn) {
-    // A new region. A worker may still be in claim_all with the last region's claims, and
-    // read the function and sizes stored here next to them: a claim it made on those would
-    // run jobs of this region twice. So the new generation goes up first, closed (no job
-    // left), and a worker that reads the new function or sizes (acquire) sees it and fails
-    // its claim; opening the generation (next job 0) then publishes them.
-    const uint64_t generation = (claims_.load(std::memory_order_relaxed) >> 32) + 1;
-    claims_.store(generation << 32 | CLOSED, std::memory_order_relaxed);
+    // Every share of the last region is empty (its jobs are done), so no thread claims
+    // anything until a share below is stored; fn_ is stored before the shares (release),
+    // so a thread that reads a share of this region (acquire) reads this fn.
+    // A thread that read a share of an earlier region and fn_ after it fails its claim:
+    // the share's word has changed, its generation with it (24 bits: the word comes back
+    // only if that thread sleeps through 2^24 regions between the two reads).
+    ++generation_;
     fn_.store(&fn, std::memory_order_release);
-    jobs_.store(jobs, std::memory_order_release);
     done_.store(0, std::memory_order_relaxed);
-    claims_.store(generation << 32, std::memory_order_release);
+    for (int64_t t = 0; t < threads_; ++t)
+      shares_[t].word.store(
+          Share::pack(generation_, jobs * t / threads_, jobs * (t + 1) / threads_),
+          std::memory_order_release);
     region_.fetch_add(1);  // seq_cst, paired with the workers' `sleeping_` (no lost wake-up)
     if (sleeping_.load() > 0) futex_wake_all(&region_);
-    claim_all();
+    claim_all(0);
     const auto all_done = [&] { return done_.load(std::memory_order_acquire) == jobs; };
     while (!spin_until(all_done, CALLER_SPIN)) sched_yield();
   }
 
  private:
-  // Claims and runs jobs of the current region until none is left. A claim succeeds only
-  // while the generation it read the region's function and sizes under is still current.
-  void claim_all() {
+  // Runs jobs of the current region until none is left: thread `self`'s own share from
+  // the front, then the others' from the back.
+  void claim_all(int64_t self) {
+    while (claim(shares_[self], true)) {
+    }
+    for (int64_t i = 1; i < threads_; ++i)
+      while (claim(shares_[(self + i) % threads_], false)) {
+      }
+  }
+
+  // Half of what is left of `share` (at least one job), from its front or its back;
+  // false when it is empty.
+  bool claim(Share& share, bool front) {
     for (;;) {
-      uint64_t claim = claims_.load(std::memory_order_acquire);
+      uint64_t w = share.word.load(std::memory_order_acquire);
+      const int64_t begin = Share::begin(w), end = Share::end(w);
+      if (begin >= end) return false;
       const Job* fn = fn_.load(std::memory_order_acquire);
-      const int64_t jobs = jobs_.load(std::memory_order_acquire);
-      const int64_t first = static_cast<uint32_t>(claim);
-      if (first >= jobs) return;
-      // Guided: a share of what is left, so claims are few while much is left and small
-      // near the end, where the threads must finish together.
-      const int64_t count = std::max<int64_t>(1, (jobs - first) / (GUIDED * threads_));
-      if (!claims_.compare_exchange_weak(claim, claim + count, std::memory_order_acq_rel))
-        continue;
+      const int64_t count = std::max<int64_t>(1, (end - begin) / 2);
+      const uint64_t generation = w >> (2 * JOB_BITS);
+      const int64_t first = front ? begin : end - count;
+      const uint64_t rest = front ? Share::pack(generation, begin + count, end)
+                                  : Share::pack(generation, begin, end - count);
+      if (!share.word.compare_exchange_weak(w, rest, std::memory_order_acq_rel)) continue;
       (*fn)(first, first + count);
       done_.fetch_add(count, std::memory_order_release);
+      return true;
     }
   }
 
-  void work() {
+  void work(int64_t self) {
     in_region = true;
     uint32_t seen = region_.load();
     while (!stop_.load(std::memory_order_relaxed)) {
@@ -121,18 +149,18 @@ class Pool {
         continue;
       }
       seen = region_.load(std::memory_order_acquire);
-      claim_all();
+      claim_all(self);
     }
   }
 
-  std::atomic<uint64_t> claims_{0};  // generation << 32 | next unclaimed job
   std::atomic<const Job*> fn_{nullptr};
-  std::atomic<int64_t> jobs_{0};
   std::atomic<int64_t> done_{0};
   std::atomic<uint32_t> region_{0};  // the futex workers sleep on; bumped per region
   std::atomic<int> sleeping_{0};
   std::atomic<bool> stop_{false};
+  uint64_t generation_ = 0;  // the caller's alone (under pool_mutex)
   const int64_t threads_;
+  std::vector<Share> shares_;
   std::vector<std::thread> workers_;
 };
 
@@ -158,7 +186,14 @@ void parallel_jobs(int64_t jobs, const Job& fn) {
   std::lock_guard<std::mutex> lock(pool_mutex);
   if (pool == nullptr) pool = new Pool(num_threads);
   in_region = true;
-  pool->run(jobs, fn);
+  if (jobs < MAX_JOBS) {
+    pool->run(jobs, fn);
+  } else {  // in regions whose sizes a share's word holds
+    for (int64_t first = 0; first < jobs; first += MAX_JOBS - 1) {
+      const Job part = [&](int64_t begin, int64_t end) { fn(first + begin, first + end); };
+      pool->run(std::min(MAX_JOBS - 1, jobs - first), part);
+    }
+  }
   in_region = false;
 }
 

@@ -1,7 +1,9 @@
 // The kernels' own thread pool. OpenMP splits a loop into one fixed share per thread and
 // waits at its end for every thread, so one thread the OS has not scheduled (a busy
-// neighbour on its core) stalls the whole step once per parallel region. Here jobs are
-// claimed one at a time: a thread that is not running simply claims none, and a region
+// neighbour on its core) stalls the whole step once per parallel region. Here each thread
+// has a share too, but claims it a piece at a time from its front (its jobs stay in order,
+// one stream through memory), and a thread done with its own takes pieces from the back of
+// the others': a thread that is not running holds up only the piece it holds, and a region
 // ends when its jobs are done, whoever did them.
 #pragma once
 #include <cstdint>
