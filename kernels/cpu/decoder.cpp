@@ -344,14 +344,14 @@ class Decoder {
     return {(visible + keys - 1) / keys, keys};
   }
 
-  // A job per query row and chunk of its keys, over every KV head (each slot's K and V
-  // rows, all heads side by side, are read whole and in order); the group's query heads
+  // A job per query row and chunk of its keys, over every KV head (one thread reads the
+  // chunk's slots whole, every head's K and V rows); the group's query heads
   // attend together, each K/V row read once per group. The job that finishes a row's last
   // chunk merges the row's chunks.
   void row_attention(const float* q, int64_t ld, const float* kc, const float* vc,
                      const Spans& s, const std::vector<const int64_t*>& spans,
                      float* out) const {
-    const int64_t group = heads_ / kv_heads_, part = group * (dim_ + 2);
+    const int64_t group = heads_ / kv_heads_, part = partial_floats();
     std::vector<QueryRow> rows;
     std::vector<int64_t> job_row;  // each job's index into rows
     int64_t most_keys = 0;         // in a chunk
@@ -389,9 +389,12 @@ class Decoder {
     });
   }
 
+  // One chunk's partial for one KV head: its group's outputs, maxima and sums.
+  int64_t partial_floats() const { return heads_ / kv_heads_ * (dim_ + 2); }
+
   // Every query head of row r from its chunks' partials (partials[chunk][kv]).
   void merge_row(const QueryRow& r, const float* partials, float* out) const {
-    const int64_t group = heads_ / kv_heads_, part = group * (dim_ + 2);
+    const int64_t group = heads_ / kv_heads_, part = partial_floats();
     for (int64_t h = 0; h < heads_; ++h) {
       const int64_t kv = h / group, g = h % group;
       merge_partials(partials + kv * part, r.chunks, kv_heads_ * part, g * dim_,
