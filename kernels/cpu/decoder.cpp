@@ -335,8 +335,8 @@ class Decoder {
     const int64_t* slots;
   };
 
-  // A row's chunks: about DECODE_KEYS keys each, as many as a multiple of the threads and
-  // of equal size (in whole 8-key groups), so that one row's chunks end together.
+  // A row's chunks: at most DECODE_KEYS keys each, as many as a multiple of the threads
+  // and of equal size (in whole 8-key groups), so that one row's chunks end together.
   static std::pair<int64_t, int64_t> split_keys(int64_t visible) {
     const int64_t threads = get_num_threads();
     const int64_t n = ((visible + DECODE_KEYS - 1) / DECODE_KEYS + threads - 1) / threads * threads;
@@ -354,14 +354,12 @@ class Decoder {
     const int64_t group = heads_ / kv_heads_, part = partial_floats();
     std::vector<QueryRow> rows;
     std::vector<int64_t> job_row;  // each job's index into rows
-    int64_t most_keys = 0;         // in a chunk
     for (const int64_t* span : spans) {
       const int64_t first = span[0], num_new = span[1], cached = span[2];
       const bool* mask = span[4] < 0 ? nullptr : s.masks + span[4];
       for (int64_t i = 0; i < num_new; ++i) {
         const int64_t visible = cached + (mask ? num_new : i + 1);
         const auto [chunks, chunk_keys] = split_keys(visible);
-        most_keys = std::max(most_keys, chunk_keys);
         rows.push_back({first + i, visible, cached, static_cast<int64_t>(job_row.size()), chunks,
                         chunk_keys, mask ? mask + i * num_new : nullptr, s.slots + span[3]});
         job_row.resize(job_row.size() + chunks, rows.size() - 1);
@@ -371,7 +369,7 @@ class Decoder {
     std::vector<float> partials(job_row.size() * kv_heads_ * part);
     const auto chunks_done = std::make_unique<std::atomic<int64_t>[]>(rows.size());
     parallel_jobs(job_row.size(), [&](int64_t begin, int64_t end) {
-      std::vector<float> p(group * (most_keys + 8));
+      std::vector<float> p(group * (DECODE_KEYS + 8));  // split_keys' chunks are no longer
       for (int64_t job = begin; job < end; ++job) {
         const QueryRow& r = rows[job_row[job]];
         const int64_t from = (job - r.first_job) * r.chunk_keys;

@@ -58,7 +58,8 @@ constexpr int64_t MAX_JOBS = int64_t{1} << JOB_BITS;
 // One thread's share of a region: jobs [begin, end), with the region's generation, in one
 // word. Its owner claims from the front, so its jobs follow each other in memory (one read
 // stream, which the hardware prefetchers follow); a thread whose own share is done takes
-// from the back of another's, so a thread the OS has not scheduled holds up nothing.
+// from the back of another's, so a thread the OS has not scheduled holds up only the
+// piece it claimed.
 struct alignas(64) Share {
   std::atomic<uint64_t> word{0};
 
@@ -126,10 +127,9 @@ class Pool {
       if (begin >= end) return false;
       const Job* fn = fn_.load(std::memory_order_acquire);
       const int64_t count = std::max<int64_t>(1, (end - begin) / 2);
-      const uint64_t generation = w >> (2 * JOB_BITS);
       const int64_t first = front ? begin : end - count;
-      const uint64_t rest = front ? Share::pack(generation, begin + count, end)
-                                  : Share::pack(generation, begin, end - count);
+      // begin up by count, or end down by it (the fields stay in range: begin <= end)
+      const uint64_t rest = front ? w + (static_cast<uint64_t>(count) << JOB_BITS) : w - count;
       if (!share.word.compare_exchange_weak(w, rest, std::memory_order_acq_rel)) continue;
       (*fn)(first, first + count);
       done_.fetch_add(count, std::memory_order_release);
