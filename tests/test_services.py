@@ -20,8 +20,12 @@ import httpx
 import pytest
 import redis
 from deployment import (
+    CHAT_GREEDY,
+    CHAT_TOKENS,
+    CHATS,
     chat,
     chat_text,
+    engine_texts,
     heartbeats,
     sample,
     scrape,
@@ -34,34 +38,15 @@ from otlp_receiver import OtlpReceiver
 from specmesh.shared.engine.engine import EngineConfig, LLMEngine
 from specmesh.shared.infra import ServerProcess, start_nats, start_valkey
 from specmesh.shared.sampling.params import SamplingParams
-from specmesh.shared.speculative.config import SpeculativeConfig, shipped_drafter
+from specmesh.shared.speculative.config import shipped_drafter
 from specmesh.shared.tokenizer import Tokenizer
 
-PROMPTS = [
-    "Repeat exactly: red green blue, red green blue, red green blue.",
-    "What is the capital of France?",
-    "Rewrite with snake_case names:\ndef getValue(myInput):\n    myResult = myInput * 2\n",
-    "Write a haiku about autumn leaves.",
-    "List the days of the week.",
-    "Give two reasons to learn Rust.",
-    "Spell the word 'banana' letter by letter.",
-    "Count from one to ten in words.",
-]
-MAX_TOKENS = 40
-GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS}
 SERVICES = {"gateway", "tokenizer", "prefill", "decode", "drafter"}
 
 
 @pytest.fixture(scope="module")
 def reference(smollm_dir: Path) -> dict[str, str]:
-    """The in-process engine's greedy text for each prompt."""
-    tok = Tokenizer(smollm_dir)
-    engine = LLMEngine(EngineConfig(model=str(smollm_dir), kv_cache_gb=0.25))
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    return {
-        p: tok.decode(out) for p, out in zip(PROMPTS, engine.generate(ids, params), strict=True)
-    }
+    return engine_texts(smollm_dir, CHATS, CHAT_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -114,25 +99,13 @@ def standalone(
         yield url, bus.url, log
 
 
-@pytest.fixture(scope="module", params=["EAGLE3", "NEXTN", "DFLASH", "STANDALONE"])
-def learned(smollm_dir: Path, request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
-    """A learned drafter that ships for the default model (the EAGLE-3 head, the NEXTN
-    layer, the DFLASH block draft, the STANDALONE draft LM): the prompt's target features,
-    for those that read them, travel from prefill with its K/V, then with each draft step.
-    Fixed draft budgets, so that drafts do not depend on timings (adaptive budgets follow
-    measured costs). (HTTP url, algorithm)"""
-    args = ["--speculative-algorithm", request.param, "--no-speculative-adaptive"]
-    with start_nats() as bus, specmesh_up(smollm_dir, "--nats-url", bus.url, *args) as url:
-        yield url, request.param
-
-
 def test_ngram_pipeline_equals_the_in_process_engine(
     ngram: tuple[str, str], reference: dict[str, str]
 ) -> None:
     url, _ = ngram
-    for prompt in PROMPTS:
-        assert chat_text(url, prompt, **GREEDY) == reference[prompt]
-        assert streamed_text(stream_chat(url, prompt, **GREEDY)) == reference[prompt]
+    for prompt in CHATS:
+        assert chat_text(url, prompt, **CHAT_GREEDY) == reference[prompt]
+        assert streamed_text(stream_chat(url, prompt, **CHAT_GREEDY)) == reference[prompt]
     state = httpx.get(f"{url}/get_server_info").json()["internal_states"][0]
     assert state["speculative_algorithm"] == "NGRAM" and state["avg_spec_accept_length"] > 1.0
 
@@ -163,7 +136,7 @@ def _all_samples(url: str, nats_url: str) -> dict:
 
 def test_sglang_dashboard_series_are_served(ngram: tuple[str, str], smollm_dir: Path) -> None:
     url, nats_url = ngram
-    chat_text(url, PROMPTS[0], **GREEDY)
+    chat_text(url, CHATS[0], **CHAT_GREEDY)
     model = {("model_name", smollm_dir.name)}
     deadline = time.monotonic() + 15  # gauges are set with each heartbeat, rates from the second
     while True:
@@ -196,14 +169,14 @@ def test_an_sglang_launch_command_starts_us_unchanged(smollm_dir: Path) -> None:
         start_nats() as bus,
         specmesh_up(smollm_dir, "--nats-url", bus.url, *sglang.split()) as up,
     ):
-        assert chat_text(up, PROMPTS[0], temperature=0, max_tokens=8)
+        assert chat_text(up, CHATS[0], temperature=0, max_tokens=8)
         state = httpx.get(f"{up}/get_server_info").json()["internal_states"][0]
         assert state["speculative_algorithm"] == "EAGLE3"
 
 
 def test_kv_blocks_travel_through_redis(ngram: tuple[str, str], valkey: ServerProcess) -> None:
     url, nats_url = ngram
-    chat_text(url, "Name three colours.", **GREEDY)
+    chat_text(url, "Name three colours.", **CHAT_GREEDY)
     metrics = {
         b.kind: scrape(b.metrics_url) for b in heartbeats(nats_url).values() if b.metrics_url
     }
@@ -228,7 +201,7 @@ def test_shared_prefix_is_computed_once(ngram: tuple[str, str], smollm_dir: Path
     (prefill,) = [b for b in heartbeats(nats_url).values() if b.kind == "prefill"]
     before = scrape(prefill.metrics_url)
     bodies = [
-        chat(url, f"{document}\nQuestion {q}: what colour is item {q}?", **GREEDY).json()
+        chat(url, f"{document}\nQuestion {q}: what colour is item {q}?", **CHAT_GREEDY).json()
         for q in (7, 8)
     ]
     after = scrape(prefill.metrics_url)
@@ -260,7 +233,7 @@ def test_plan_sizes_the_pools_from_live_load(ngram: tuple[str, str]) -> None:
     with ThreadPoolExecutor(2) as pool:
         planning = pool.submit(subprocess.run, argv, capture_output=True, text=True, timeout=120)
         while not planning.done():
-            chat_text(url, "Count from one to twenty in words.", **GREEDY)
+            chat_text(url, "Count from one to twenty in words.", **CHAT_GREEDY)
     result = planning.result()
     assert result.returncode == 0, result.stderr
     decode = re.search(
@@ -274,7 +247,7 @@ def test_plan_sizes_the_pools_from_live_load(ngram: tuple[str, str]) -> None:
 
 def test_one_trace_covers_all_five_services(ngram: tuple[str, str], receiver: OtlpReceiver) -> None:
     url, _ = ngram
-    response = chat(url, "Say hello.", **GREEDY)
+    response = chat(url, "Say hello.", **CHAT_GREEDY)
     request_id = response.headers["x-request-id"]
     assert response.json()["id"] == request_id
 
@@ -299,10 +272,10 @@ def test_two_decoders_two_drafters_under_concurrency(
     for instance in ("decode-0", "decode-1", "drafter-0", "drafter-1"):
         assert instance in launched  # `specmesh up` lists every process it started
     with ThreadPoolExecutor(8) as pool:
-        texts = list(pool.map(lambda p: chat_text(url, p, **GREEDY), PROMPTS))
-    assert texts == [reference[p] for p in PROMPTS]
-    streamed = streamed_text(stream_chat(url, PROMPTS[2], **GREEDY))
-    assert streamed == reference[PROMPTS[2]]
+        texts = list(pool.map(lambda p: chat_text(url, p, **CHAT_GREEDY), CHATS))
+    assert texts == [reference[p] for p in CHATS]
+    streamed = streamed_text(stream_chat(url, CHATS[2], **CHAT_GREEDY))
+    assert streamed == reference[CHATS[2]]
     gateway = scrape(f"{url}/metrics")
     for kind in ("decode", "drafter"):
         for i in (0, 1):
@@ -327,7 +300,7 @@ def test_a_conversations_next_turn_is_computed_where_its_last_ran(
     messages = [{"role": "user", "content": "Describe a lighthouse in three sentences."}]
     usage = []
     for follow_up in ("Now describe its keeper.", None):
-        body = {"messages": messages, **GREEDY, "max_tokens": 48}
+        body = {"messages": messages, **CHAT_GREEDY, "max_tokens": 48}
         reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).json()
         usage.append(reply["usage"])
         text = reply["choices"][0]["message"]["content"]
@@ -343,35 +316,6 @@ def test_a_conversations_next_turn_is_computed_where_its_last_ran(
         [tok.encode_chat(messages)], SamplingParams(temperature=0.0, max_tokens=48)
     )
     assert text == tok.decode(expected)
-
-
-def test_learned_drafters_over_the_services_are_lossless(
-    learned: tuple[str, str], reference: dict[str, str]
-) -> None:
-    url, algorithm = learned
-    for prompt in PROMPTS[:3]:
-        assert chat_text(url, prompt, **GREEDY) == reference[prompt]
-    state = httpx.get(f"{url}/get_server_info").json()["internal_states"][0]
-    assert state["speculative_algorithm"] == algorithm and state["spec_draft_tokens"] > 0
-
-
-def test_prompt_features_reach_the_drafter(learned: tuple[str, str], smollm_dir: Path) -> None:
-    """The head is warm at the first decode step over the services as in one process:
-    the same verify steps and accepted drafts over each request's first 16 tokens."""
-    url, algorithm = learned
-    tok = Tokenizer(smollm_dir)
-    spec = SpeculativeConfig(speculative_algorithm=algorithm, speculative_adaptive=False)
-    params = SamplingParams(temperature=0.0, max_tokens=16)
-    for prompt in PROMPTS[3:7]:  # prompts the deployment has not seen: prefill's path
-        # A fresh engine: its prefix cache would start the head after a cached prefix, while
-        # over the services the cached prefix's features come from the transport.
-        engine = LLMEngine(EngineConfig(model=str(smollm_dir), kv_cache_gb=0.25), spec)
-        engine.generate([tok.encode_chat([{"role": "user", "content": prompt}])], params)
-        stats = engine.speculator.stats
-        local = (stats.steps, stats.accepted_tokens)
-        body = chat(url, prompt, temperature=0, max_tokens=16).json()
-        remote = body["metrics"]["speculative_decoding"]
-        assert (remote["num_spec_steps"], remote["num_accepted_draft_tokens"]) == local, prompt
 
 
 def _start_instance(kind: str, nats_url: str, instance: str, *args: str) -> subprocess.Popen:
@@ -412,7 +356,7 @@ def test_instances_join_and_leave_at_run_time(
         for proc in (joined, extra_decode):
             proc.kill()
             proc.wait()
-    assert chat_text(url, PROMPTS[1], **GREEDY) == reference[PROMPTS[1]]
+    assert chat_text(url, CHATS[1], **CHAT_GREEDY) == reference[CHATS[1]]
 
 
 def test_bad_instance_flags_fail_clearly() -> None:
@@ -431,7 +375,7 @@ def test_the_gateway_logs_each_request_with_its_ids(
     """One access line per request, carrying the request id the response names and the trace
     id of the request's spans, whose root is the request's HTTP span."""
     url, _ = ngram
-    request_id = chat(url, "Say hi.", **GREEDY).headers["x-request-id"]
+    request_id = chat(url, "Say hi.", **CHAT_GREEDY).headers["x-request-id"]
 
     def roots(spans: list) -> list:
         """The request's root span, once received (it ends after its access line is written)."""
