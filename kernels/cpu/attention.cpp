@@ -231,14 +231,15 @@ void causal_attention(const float* q, int64_t ld, const float* k_cache, const fl
 
 namespace {
 
-// Dots of q with 8 rows (dim a multiple of 8) in one register: 8 independent FMA chains,
-// then their lanes summed by a transpose of adds (lane t: row t).
-__m256 dot8(const float* q, const float* const rows[8], int64_t dim) {
+// Dots of q with 8 rows from `offset` on (dim a multiple of 8) in one register: 8
+// independent FMA chains, then their lanes summed by a transpose of adds (lane t: row t).
+__m256 dot8(const float* q, const float* const rows[8], int64_t offset, int64_t dim) {
   __m256 acc[8];
   for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t d = 0; d < dim; d += 8) {
     const __m256 qd = _mm256_loadu_ps(q + d);
-    for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(rows[t] + d), acc[t]);
+    for (int t = 0; t < 8; ++t)
+      acc[t] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(rows[t] + offset + d), acc[t]);
   }
   const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
   const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
@@ -247,14 +248,16 @@ __m256 dot8(const float* q, const float* const rows[8], int64_t dim) {
                        _mm256_permute2f128_ps(low, high, 0x31));
 }
 
-// out[0 .. 8R) = sum_j p[j] v_j, the sums held in R registers.
+// out[0 .. 8R) = sum_j p[j] v_j, v_j the V row of key j from `offset` on, the sums held
+// in R registers.
 template <int R>
-void weighted_rows(const float* p, const KVHead& kv, int64_t keys, int64_t offset, float* out) {
+void weighted_rows(const float* p, const KVRows& kv, int64_t keys, int64_t offset, float* out) {
+  const int64_t stride = kv.kv_heads * kv.dim;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t j = 0; j < keys; ++j) {
     if (p[j] == 0.f) continue;  // masked (exp of -inf), or too small to count
-    const float* v = kv.v + kv.ctx[j] * kv.stride + offset;
+    const float* v = kv.v + kv.ctx[j] * stride + offset;
     const __m256 w = _mm256_set1_ps(p[j]);
     for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * r), acc[r]);
   }
@@ -286,39 +289,40 @@ float softmax_chunk(float* p, int64_t n, int64_t padded, int64_t begin, int64_t 
 
 constexpr int64_t KEYS_AHEAD = 16;
 
-void partial_attention(const float* q, int64_t group, int64_t dim, const KVHead& kv,
-                       int64_t begin, int64_t end, int64_t cached, const bool* mask, float* p,
-                       float* out, float* max, float* sum) {
-  const int64_t n = end - begin, padded = round_up(n, 8);
-  const KVHead chunk{kv.k, kv.v, kv.ctx + begin, kv.stride, kv.offset};
+void partial_attention(const float* q, int64_t heads, const KVRows& kv, int64_t begin,
+                       int64_t end, int64_t cached, const bool* mask, float* p, float* out,
+                       float* max, float* sum) {
+  const int64_t n = end - begin, padded = round_up(n, 8), dim = kv.dim;
+  const int64_t stride = kv.kv_heads * dim, group = heads / kv.kv_heads;
+  const KVRows chunk{kv.k, kv.v, kv.ctx + begin, kv.kv_heads, dim};
   // scores, 8 keys at a time (the last 8 padded with the last key, then cut)
   const __m256 scaling = _mm256_set1_ps(1.f / std::sqrt(static_cast<float>(dim)));
   for (int64_t j = 0; j < n; j += 8) {
     const float* rows[8];
-    for (int t = 0; t < 8; ++t)
-      rows[t] = kv.k + chunk.ctx[std::min(j + t, n - 1)] * kv.stride + kv.offset;
-    // The next keys' K lines into L1 and their V lines into L2, requested while these are
-    // scored: slots are rows of all KV heads, so the hardware prefetchers do not follow one
-    // head's lines; V waits for the whole chunk's scores, so in L1 it would push K out.
+    for (int t = 0; t < 8; ++t) rows[t] = kv.k + chunk.ctx[std::min(j + t, n - 1)] * stride;
+    // The next keys' K rows into L1 and their V rows into L2, requested while these are
+    // scored (slots need not be consecutive); V waits for the whole chunk's scores, so in
+    // L1 it would push K out.
     for (int64_t t = j + KEYS_AHEAD; t < std::min(n, j + KEYS_AHEAD + 8); ++t) {
-      const int64_t at = chunk.ctx[t] * kv.stride + kv.offset;
-      for (int64_t d = 0; d < dim; d += 64 / sizeof(float)) {
+      const int64_t at = chunk.ctx[t] * stride;
+      for (int64_t d = 0; d < stride; d += 64 / sizeof(float)) {
         _mm_prefetch(reinterpret_cast<const char*>(kv.k + at + d), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(kv.v + at + d), _MM_HINT_T1);
       }
     }
-    for (int64_t h = 0; h < group; ++h)
-      _mm256_storeu_ps(p + h * padded + j, _mm256_mul_ps(dot8(q + h * dim, rows, dim), scaling));
+    for (int64_t h = 0; h < heads; ++h)
+      _mm256_storeu_ps(p + h * padded + j,
+                       _mm256_mul_ps(dot8(q + h * dim, rows, h / group * dim, dim), scaling));
   }
-  for (int64_t h = 0; h < group; ++h) {
+  for (int64_t h = 0; h < heads; ++h) {
     float *ph = p + h * padded, *oh = out + h * dim;
     max[h] = softmax_chunk(ph, n, padded, begin, cached, mask);
     __m256 total = _mm256_setzero_ps();
     for (int64_t j = 0; j < padded; j += 8) total = _mm256_add_ps(total, _mm256_loadu_ps(ph + j));
     sum[h] = hsum(total);
     int64_t d = 0;
-    for (; d + 64 <= dim; d += 64) weighted_rows<8>(ph, chunk, n, kv.offset + d, oh + d);
-    for (; d < dim; d += 8) weighted_rows<1>(ph, chunk, n, kv.offset + d, oh + d);
+    for (; d + 64 <= dim; d += 64) weighted_rows<8>(ph, chunk, n, h / group * dim + d, oh + d);
+    for (; d < dim; d += 8) weighted_rows<1>(ph, chunk, n, h / group * dim + d, oh + d);
   }
 }
 

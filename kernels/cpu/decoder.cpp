@@ -63,7 +63,7 @@ void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
 // Causal spans of at least this many new rows attend through attention.cpp's tiles.
 constexpr int64_t TILED_MIN_ROWS = 8;
 // Keys per job of a decode row's attention, about: a chunk's K and V rows of every KV head
-// (48 KB each at 3 KV heads of dim 64) stay in L2 while each group's query heads use them.
+// (48 KB each at 3 KV heads of dim 64) stay in L2 while every query head uses them.
 constexpr int64_t DECODE_KEYS = 64;
 
 // One of a layer's matmuls: its weight in block_weight's column blocks (type 0) or in
@@ -344,14 +344,13 @@ class Decoder {
     return {(visible + keys - 1) / keys, keys};
   }
 
-  // A job per query row and chunk of its keys, over every KV head (one thread reads the
-  // chunk's slots whole, every head's K and V rows); the group's query heads
-  // attend together, each K/V row read once per group. The job that finishes a row's last
-  // chunk merges the row's chunks.
+  // A job per query row and chunk of its keys, over every head (one thread reads the
+  // chunk's slots whole and in order, each K/V row once for all query heads). The job that
+  // finishes a row's last chunk merges the row's chunks.
   void row_attention(const float* q, int64_t ld, const float* kc, const float* vc,
                      const Spans& s, const std::vector<const int64_t*>& spans,
                      float* out) const {
-    const int64_t group = heads_ / kv_heads_, part = partial_floats();
+    const int64_t part = partial_floats();
     std::vector<QueryRow> rows;
     std::vector<int64_t> job_row;  // each job's index into rows
     for (const int64_t* span : spans) {
@@ -365,40 +364,33 @@ class Decoder {
         job_row.resize(job_row.size() + chunks, rows.size() - 1);
       }
     }
-    // partials[job][kv]: the KV head's group of query heads over the job's chunk
-    std::vector<float> partials(job_row.size() * kv_heads_ * part);
+    std::vector<float> partials(job_row.size() * part);
     const auto chunks_done = std::make_unique<std::atomic<int64_t>[]>(rows.size());
     parallel_jobs(job_row.size(), [&](int64_t begin, int64_t end) {
-      std::vector<float> p(group * (DECODE_KEYS + 8));  // split_keys' chunks are no longer
+      std::vector<float> p(heads_ * (DECODE_KEYS + 8));  // split_keys' chunks are no longer
       for (int64_t job = begin; job < end; ++job) {
         const QueryRow& r = rows[job_row[job]];
         const int64_t from = (job - r.first_job) * r.chunk_keys;
-        for (int64_t kv = 0; kv < kv_heads_; ++kv) {
-          float* o = partials.data() + (job * kv_heads_ + kv) * part;
-          partial_attention(q + r.row * ld + kv * group * dim_, group, dim_,
-                            {kc, vc, r.slots, kv_heads_ * dim_, kv * dim_}, from,
-                            std::min(r.visible, from + r.chunk_keys), r.cached, r.mask,
-                            p.data(), o, o + group * dim_, o + group * (dim_ + 1));
-        }
+        float* o = partials.data() + job * part;
+        partial_attention(q + r.row * ld, heads_, {kc, vc, r.slots, kv_heads_, dim_}, from,
+                          std::min(r.visible, from + r.chunk_keys), r.cached, r.mask, p.data(),
+                          o, o + heads_ * dim_, o + heads_ * (dim_ + 1));
         // acq_rel: the merging job sees every chunk's partials
         if (chunks_done[job_row[job]].fetch_add(1, std::memory_order_acq_rel) == r.chunks - 1)
-          merge_row(r, partials.data() + r.first_job * kv_heads_ * part, out);
+          merge_row(r, partials.data() + r.first_job * part, out);
       }
     });
   }
 
-  // One chunk's partial for one KV head: its group's outputs, maxima and sums.
-  int64_t partial_floats() const { return heads_ / kv_heads_ * (dim_ + 2); }
+  // One chunk's partial: every head's output, then their maxima, then their sums.
+  int64_t partial_floats() const { return heads_ * (dim_ + 2); }
 
-  // Every query head of row r from its chunks' partials (partials[chunk][kv]).
+  // Every query head of row r from its chunks' partials.
   void merge_row(const QueryRow& r, const float* partials, float* out) const {
-    const int64_t group = heads_ / kv_heads_, part = partial_floats();
-    for (int64_t h = 0; h < heads_; ++h) {
-      const int64_t kv = h / group, g = h % group;
-      merge_partials(partials + kv * part, r.chunks, kv_heads_ * part, g * dim_,
-                     group * dim_ + g, group * (dim_ + 1) + g, dim_,
-                     out + r.row * heads_ * dim_ + h * dim_);
-    }
+    const int64_t part = partial_floats();
+    for (int64_t h = 0; h < heads_; ++h)
+      merge_partials(partials, r.chunks, part, h * dim_, heads_ * dim_ + h,
+                     heads_ * (dim_ + 1) + h, dim_, out + r.row * heads_ * dim_ + h * dim_);
   }
 
   std::vector<Layer> layers_;
