@@ -10,8 +10,11 @@ taking turns: decode steps in blocks of 25 (the first 3 of each dropped), or one
 prompt's prefill per turn; the order flips every round. Prints each build's median and
 the speed-up of this checkout over the base, per round and their median. Wall time on
 this machine moves by 2x between days and by a third within minutes: a kernel change is
-judged by this ratio, not by times taken apart. A base whose `Decoder` takes other
-arguments (before 2026-11-28's EAGLE-3 feature norm) does not compare.
+judged by this ratio, not by times taken apart. The ratio has a bias and a scatter of
+its own (two engines, their memory placed apart): run a control first, `--base HEAD` with
+nothing changed (on a Zen 4 day it read 0.996-1.045x), and judge a change against it. A
+base whose `Decoder` takes other arguments (before 2026-11-28's EAGLE-3 feature norm)
+does not compare.
 """
 
 from __future__ import annotations
