@@ -25,6 +25,24 @@ def smollm_dir() -> Path:
     return fetch_default_model()
 
 
+@pytest.fixture(scope="session")
+def chat_reference(smollm_dir: Path) -> dict[str, str]:
+    """The in-process engine's greedy text for each of deployment.CHATS, which deployments
+    must give too (computed once for every module that compares). Imported here, where
+    HF_HUB_OFFLINE is set."""
+    from deployment import CHAT_TOKENS, CHATS
+    from specmesh.shared.engine.engine import EngineConfig, LLMEngine
+    from specmesh.shared.sampling.params import SamplingParams
+    from specmesh.shared.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm_dir)
+    engine = LLMEngine(EngineConfig(model=str(smollm_dir), kv_cache_gb=0.25))
+    params = SamplingParams(temperature=0.0, max_tokens=CHAT_TOKENS)
+    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in CHATS]
+    outs = engine.generate(ids, params)
+    return {p: tok.decode(out) for p, out in zip(CHATS, outs, strict=True)}
+
+
 def _has_vnni() -> bool:
     """Whether quant_linear runs on AVX-512 VNNI by default (it does where the CPU has it)."""
     from specmesh.kernels.cpu import load

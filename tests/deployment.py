@@ -22,7 +22,6 @@ import nats
 import openai
 from nats.aio.msg import Msg
 from prometheus_client.parser import text_string_to_metric_families
-from specmesh.shared.engine.engine import EngineConfig, LLMEngine
 from specmesh.shared.infra import ServerProcess, free_port
 from specmesh.shared.protocol import (
     ABORT,
@@ -35,8 +34,6 @@ from specmesh.shared.protocol import (
     inbox_prefix,
     unpack,
 )
-from specmesh.shared.sampling.params import SamplingParams
-from specmesh.shared.tokenizer import Tokenizer
 
 
 def openai_client(url: str, api_key: str = "unused", **options: Any) -> openai.OpenAI:
@@ -173,16 +170,6 @@ CHATS = [
 ]
 CHAT_TOKENS = 40
 CHAT_GREEDY = {"temperature": 0, "max_tokens": CHAT_TOKENS}
-
-
-def engine_texts(model: Path, prompts: list[str], max_tokens: int) -> dict[str, str]:
-    """The in-process engine's greedy text for each chat prompt."""
-    tok = Tokenizer(model)
-    engine = LLMEngine(EngineConfig(model=str(model), kv_cache_gb=0.25))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
-    outs = engine.generate(ids, params)
-    return {p: tok.decode(out) for p, out in zip(prompts, outs, strict=True)}
 
 
 async def _as_user(url: str, user: str, errors: list[str]) -> nats.NATS:

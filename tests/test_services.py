@@ -21,11 +21,9 @@ import pytest
 import redis
 from deployment import (
     CHAT_GREEDY,
-    CHAT_TOKENS,
     CHATS,
     chat,
     chat_text,
-    engine_texts,
     heartbeats,
     sample,
     scrape,
@@ -42,11 +40,6 @@ from specmesh.shared.speculative.config import shipped_drafter
 from specmesh.shared.tokenizer import Tokenizer
 
 SERVICES = {"gateway", "tokenizer", "prefill", "decode", "drafter"}
-
-
-@pytest.fixture(scope="module")
-def reference(smollm_dir: Path) -> dict[str, str]:
-    return engine_texts(smollm_dir, CHATS, CHAT_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +93,12 @@ def standalone(
 
 
 def test_ngram_pipeline_equals_the_in_process_engine(
-    ngram: tuple[str, str], reference: dict[str, str]
+    ngram: tuple[str, str], chat_reference: dict[str, str]
 ) -> None:
     url, _ = ngram
     for prompt in CHATS:
-        assert chat_text(url, prompt, **CHAT_GREEDY) == reference[prompt]
-        assert streamed_text(stream_chat(url, prompt, **CHAT_GREEDY)) == reference[prompt]
+        assert chat_text(url, prompt, **CHAT_GREEDY) == chat_reference[prompt]
+        assert streamed_text(stream_chat(url, prompt, **CHAT_GREEDY)) == chat_reference[prompt]
     state = httpx.get(f"{url}/get_server_info").json()["internal_states"][0]
     assert state["speculative_algorithm"] == "NGRAM" and state["avg_spec_accept_length"] > 1.0
 
@@ -265,7 +258,7 @@ def test_one_trace_covers_all_five_services(ngram: tuple[str, str], receiver: Ot
 
 
 def test_two_decoders_two_drafters_under_concurrency(
-    standalone: tuple[str, str, Path], reference: dict[str, str]
+    standalone: tuple[str, str, Path], chat_reference: dict[str, str]
 ) -> None:
     url, nats_url, log = standalone
     launched = log.read_text()
@@ -273,9 +266,9 @@ def test_two_decoders_two_drafters_under_concurrency(
         assert instance in launched  # `specmesh up` lists every process it started
     with ThreadPoolExecutor(8) as pool:
         texts = list(pool.map(lambda p: chat_text(url, p, **CHAT_GREEDY), CHATS))
-    assert texts == [reference[p] for p in CHATS]
+    assert texts == [chat_reference[p] for p in CHATS]
     streamed = streamed_text(stream_chat(url, CHATS[2], **CHAT_GREEDY))
-    assert streamed == reference[CHATS[2]]
+    assert streamed == chat_reference[CHATS[2]]
     gateway = scrape(f"{url}/metrics")
     for kind in ("decode", "drafter"):
         for i in (0, 1):
@@ -334,7 +327,7 @@ def _wait_for_instances(url: str, kind: str, count: int, timeout: float) -> floa
 
 
 def test_instances_join_and_leave_at_run_time(
-    standalone: tuple[str, str, Path], smollm_dir: Path, reference: dict[str, str]
+    standalone: tuple[str, str, Path], smollm_dir: Path, chat_reference: dict[str, str]
 ) -> None:
     url, nats_url, _ = standalone
     draft = ["--speculative-algorithm", "NGRAM"]
@@ -356,7 +349,7 @@ def test_instances_join_and_leave_at_run_time(
         for proc in (joined, extra_decode):
             proc.kill()
             proc.wait()
-    assert chat_text(url, CHATS[1], **CHAT_GREEDY) == reference[CHATS[1]]
+    assert chat_text(url, CHATS[1], **CHAT_GREEDY) == chat_reference[CHATS[1]]
 
 
 def test_bad_instance_flags_fail_clearly() -> None:

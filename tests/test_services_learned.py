@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from deployment import CHAT_GREEDY, CHAT_TOKENS, CHATS, chat, chat_text, engine_texts, specmesh_up
+from deployment import CHAT_GREEDY, CHATS, chat, chat_text, specmesh_up
 from specmesh.shared.engine.engine import EngineConfig, LLMEngine
 from specmesh.shared.infra import start_nats
 from specmesh.shared.sampling.params import SamplingParams
@@ -20,11 +20,6 @@ from specmesh.shared.tokenizer import Tokenizer
 
 SERVED = CHATS[:3]  # compared with the engine's text
 FRESH = CHATS[3:7]  # sent once each: prefill's path
-
-
-@pytest.fixture(scope="module")
-def reference(smollm_dir: Path) -> dict[str, str]:
-    return engine_texts(smollm_dir, SERVED, CHAT_TOKENS)
 
 
 @pytest.fixture(scope="module", params=["EAGLE3", "NEXTN", "DFLASH", "STANDALONE"])
@@ -40,11 +35,11 @@ def learned(smollm_dir: Path, request: pytest.FixtureRequest) -> Iterator[tuple[
 
 
 def test_learned_drafters_over_the_services_are_lossless(
-    learned: tuple[str, str], reference: dict[str, str]
+    learned: tuple[str, str], chat_reference: dict[str, str]
 ) -> None:
     url, algorithm = learned
     for prompt in SERVED:
-        assert chat_text(url, prompt, **CHAT_GREEDY) == reference[prompt]
+        assert chat_text(url, prompt, **CHAT_GREEDY) == chat_reference[prompt]
     state = httpx.get(f"{url}/get_server_info").json()["internal_states"][0]
     assert state["speculative_algorithm"] == algorithm and state["spec_draft_tokens"] > 0
 

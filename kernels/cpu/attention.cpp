@@ -320,9 +320,10 @@ void partial_attention(const float* q, int64_t heads, const KVRows& kv, int64_t 
     __m256 total = _mm256_setzero_ps();
     for (int64_t j = 0; j < padded; j += 8) total = _mm256_add_ps(total, _mm256_loadu_ps(ph + j));
     sum[h] = hsum(total);
+    const int64_t kv_at = h / group * dim;  // the head's KV head in a slot's row
     int64_t d = 0;
-    for (; d + 64 <= dim; d += 64) weighted_rows<8>(ph, chunk, n, h / group * dim + d, oh + d);
-    for (; d < dim; d += 8) weighted_rows<1>(ph, chunk, n, h / group * dim + d, oh + d);
+    for (; d + 64 <= dim; d += 64) weighted_rows<8>(ph, chunk, n, kv_at + d, oh + d);
+    for (; d < dim; d += 8) weighted_rows<1>(ph, chunk, n, kv_at + d, oh + d);
   }
 }
 
