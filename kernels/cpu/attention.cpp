@@ -285,9 +285,22 @@ float softmax_chunk(float* p, int64_t n, int64_t padded, int64_t begin, int64_t 
   return m;
 }
 
-}  // namespace
+// Loads one float of every 64-byte line of the chunk's K and V rows, keys [0, n). These
+// loads depend on nothing, so the core keeps many misses in flight and the chunk arrives
+// at the memory's rate; the scoring and weighing passes then read it from L2 (software
+// prefetches issued among the scoring's FMAs arrive late).
+void load_chunk(const KVRows& chunk, int64_t n) {
+  const int64_t stride = chunk.kv_heads * chunk.dim, line = 64 / sizeof(float);
+  __m128 sink = _mm_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float *k = chunk.k + chunk.ctx[j] * stride, *v = chunk.v + chunk.ctx[j] * stride;
+    for (int64_t d = 0; d < stride; d += line)
+      sink = _mm_or_ps(sink, _mm_or_ps(_mm_load_ss(k + d), _mm_load_ss(v + d)));
+  }
+  asm volatile("" : : "x"(sink));  // keeps the loads, whose values nothing reads
+}
 
-constexpr int64_t KEYS_AHEAD = 16;
+}  // namespace
 
 void partial_attention(const float* q, int64_t heads, const KVRows& kv, int64_t begin,
                        int64_t end, int64_t cached, const bool* mask, float* p, float* out,
@@ -295,21 +308,12 @@ void partial_attention(const float* q, int64_t heads, const KVRows& kv, int64_t 
   const int64_t n = end - begin, padded = round_up(n, 8), dim = kv.dim;
   const int64_t stride = kv.kv_heads * dim, group = heads / kv.kv_heads;
   const KVRows chunk{kv.k, kv.v, kv.ctx + begin, kv.kv_heads, dim};
+  load_chunk(chunk, n);
   // scores, 8 keys at a time (the last 8 padded with the last key, then cut)
   const __m256 scaling = _mm256_set1_ps(1.f / std::sqrt(static_cast<float>(dim)));
   for (int64_t j = 0; j < n; j += 8) {
     const float* rows[8];
     for (int t = 0; t < 8; ++t) rows[t] = kv.k + chunk.ctx[std::min(j + t, n - 1)] * stride;
-    // The next keys' K rows into L1 and their V rows into L2, requested while these are
-    // scored (slots need not be consecutive); V waits for the whole chunk's scores, so in
-    // L1 it would push K out.
-    for (int64_t t = j + KEYS_AHEAD; t < std::min(n, j + KEYS_AHEAD + 8); ++t) {
-      const int64_t at = chunk.ctx[t] * stride;
-      for (int64_t d = 0; d < stride; d += 64 / sizeof(float)) {
-        _mm_prefetch(reinterpret_cast<const char*>(kv.k + at + d), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(kv.v + at + d), _MM_HINT_T1);
-      }
-    }
     for (int64_t h = 0; h < heads; ++h)
       _mm256_storeu_ps(p + h * padded + j,
                        _mm256_mul_ps(dot8(q + h * dim, rows, h / group * dim, dim), scaling));
