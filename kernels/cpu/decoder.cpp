@@ -99,6 +99,7 @@ class Decoder {
  public:
   // layers: per layer its 10 weights (input norm, qkv and bias, o and bias, post norm,
   // gate_up and bias, down and bias) and 2 caches; types: per layer its 4 matmuls' types.
+  // embedding [vocab, hidden]: the rows token ids look up.
   // feature_norm (empty: none) makes the one layer an EAGLE-3 head's: its attention reads
   // [input_norm(embedding); feature_norm(feature)] and its residual stream starts at the
   // feature.
@@ -106,10 +107,10 @@ class Decoder {
   // lm_head (weight empty: none): the LM head's packed weight, block type and vocabulary,
   // applied to the returned rows.
   Decoder(std::vector<std::vector<Tensor>> layers, std::vector<std::vector<int64_t>> types,
-          Tensor final_norm, Tensor feature_norm, Tensor rope_cos, Tensor rope_sin,
+          Tensor embedding, Tensor final_norm, Tensor feature_norm, Tensor rope_cos, Tensor rope_sin,
           Tensor lm_head, int64_t lm_head_type, int64_t vocab, double eps, int64_t num_heads,
           int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size)
-      : norm_(final_norm), feature_norm_(feature_norm), cos_(rope_cos), sin_(rope_sin),
+      : embedding_(embedding), norm_(final_norm), feature_norm_(feature_norm), cos_(rope_cos), sin_(rope_sin),
         lm_head_{lm_head, torch::empty(0), lm_head_type, vocab}, eps_(eps), heads_(num_heads),
         kv_heads_(num_kv_heads), dim_(head_dim), hidden_(final_norm.numel()),
         inter_(intermediate_size) {
@@ -117,6 +118,9 @@ class Decoder {
                     rope_sin.sizes() == rope_cos.sizes() && rope_sin.is_contiguous(),
                 "rope tables [positions, head_dim], contiguous");
     TORCH_CHECK(layers.size() == types.size(), "a matmul type list per layer");
+    TORCH_CHECK(embedding.dim() == 2 && embedding.size(1) == hidden_ && embedding.is_contiguous() &&
+                    embedding.scalar_type() == torch::kFloat,
+                "embedding [vocab, hidden] fp32, contiguous");
     TORCH_CHECK(head_dim % 8 == 0, "head_dim a multiple of 8 (attention's AVX rows)");
     TORCH_CHECK(!feature_norm.numel() || layers.size() == 1, "a feature norm takes one layer");
     const int64_t qkv_size = (heads_ + 2 * kv_heads_) * dim_;
@@ -130,27 +134,30 @@ class Decoder {
     }
   }
 
-  // x [rows, hidden] embedded tokens; features [rows, hidden] their features where the
-  // decoder has a feature norm (else empty); positions [rows]; spans [count, 5] (first
-  // row, new rows, cached tokens, offset into block_ids, offset into masks or -1), each
-  // span's block ids as many as its tokens fill from that offset. Returns the final-normed
-  // hidden states (where the decoder holds an LM head, their logits) and the hidden states
-  // before that norm, both at `out_rows`, then the residual stream after each layer in
-  // `aux_layers` (all rows), in that order.
-  std::vector<Tensor> forward(Tensor x, Tensor features, Tensor positions, Tensor spans,
-                              Tensor block_ids, int64_t block_size, Tensor masks,
-                              std::vector<int64_t> aux_layers, Tensor out_rows) {
-    const int64_t rows = x.size(0);
+  // ids [rows] the tokens; features [rows, hidden] their features where the decoder has a
+  // feature norm (else empty); positions [rows]; spans [count * 5] (per span: first row,
+  // new rows, cached tokens, offset into block_ids, offset into masks or -1), each span's
+  // block ids as many as its tokens fill from that offset. Returns the final-normed hidden
+  // states (where the decoder holds an LM head, their logits) and the hidden states before
+  // that norm, both at `out_rows`, then the residual stream after each layer in
+  // `aux_layers` (all rows), in that order. Plain lists, not tensors: a decode step's
+  // Python, run with the caches cold from the last step's weights, costs ~100 us a tensor.
+  std::vector<Tensor> forward(std::vector<int64_t> ids, Tensor features,
+                              std::vector<int64_t> positions, std::vector<int64_t> spans,
+                              std::vector<int64_t> block_ids, int64_t block_size, Tensor masks,
+                              std::vector<int64_t> aux_layers, std::vector<int64_t> out_row_list) {
+    const int64_t rows = static_cast<int64_t>(ids.size());
     const int64_t q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
     const int64_t qkv_size = q_size + 2 * kv_size;
-    auto opts = x.options();
-    Tensor h = x.contiguous();
+    auto opts = embedding_.options();
+    Tensor h = embed(ids);
+    const Tensor out_rows = torch::tensor(out_row_list, opts.dtype(torch::kLong));
     Tensor normed = torch::empty({rows, hidden_}, opts), attn = torch::empty({rows, q_size}, opts);
     Tensor act = torch::empty({rows, inter_}, opts);
-    const std::vector<int64_t> pos = row_positions(positions, rows);
+    check_positions(positions, rows);
     const SpanSlots slotted = span_slots(spans, block_ids, block_size, rows);
     const int64_t* slot_of_row = slotted.new_slots.data();
-    Spans s{slotted.table.data(), spans.size(0), slotted.slots.data(),
+    Spans s{slotted.table.data(), static_cast<int64_t>(spans.size()) / 5, slotted.slots.data(),
             masks.numel() ? masks.data_ptr<bool>() : nullptr};
     // Every row's K and V are written at every layer, but past them the last layer is
     // needed only at the rows returned, unless its output is captured for all rows.
@@ -169,8 +176,8 @@ class Decoder {
         std::vector<float> rope_tmp(dim_);
         for (int64_t r = begin; r < end; ++r) {
           float* row = qp + r * qkv_size;
-          const float* cp = cos_.data_ptr<float>() + pos[r] * dim_;
-          const float* sp = sin_.data_ptr<float>() + pos[r] * dim_;
+          const float* cp = cos_.data_ptr<float>() + positions[r] * dim_;
+          const float* sp = sin_.data_ptr<float>() + positions[r] * dim_;
           rope(row, heads_ + kv_heads_, dim_, cp, sp, rope_tmp.data());
           std::copy(row + q_size, row + q_size + kv_size, kc + slot_of_row[r] * kv_size);
           std::copy(row + q_size + kv_size, row + qkv_size, vc + slot_of_row[r] * kv_size);
@@ -199,15 +206,23 @@ class Decoder {
   }
 
  private:
-  // Each row's position, checked against the rope tables.
-  std::vector<int64_t> row_positions(const Tensor& positions, int64_t rows) const {
-    TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.numel() == rows,
-                "positions [rows] int64");
-    const Tensor p = positions.contiguous();
-    std::vector<int64_t> pos(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + rows);
-    for (const int64_t at : pos)
+  // The token ids' embedding rows [rows, hidden].
+  Tensor embed(const std::vector<int64_t>& ids) const {
+    Tensor x = torch::empty({static_cast<int64_t>(ids.size()), hidden_}, embedding_.options());
+    const float* table = embedding_.data_ptr<float>();
+    for (size_t r = 0; r < ids.size(); ++r) {
+      TORCH_CHECK(ids[r] >= 0 && ids[r] < embedding_.size(0), "token id ", ids[r],
+                  " past the vocabulary");
+      std::copy_n(table + ids[r] * hidden_, hidden_, x.data_ptr<float>() + r * hidden_);
+    }
+    return x;
+  }
+
+  // A position per row, each within the rope tables.
+  void check_positions(const std::vector<int64_t>& positions, int64_t rows) const {
+    TORCH_CHECK(static_cast<int64_t>(positions.size()) == rows, "a position per row");
+    for (const int64_t at : positions)
       TORCH_CHECK(at >= 0 && at < cos_.size(0), "position ", at, " past the rope tables");
-    return pos;
   }
 
   // The spans' context slots (cached then new), from their block ids: `table` is the
@@ -216,21 +231,19 @@ class Decoder {
   struct SpanSlots {
     std::vector<int64_t> table, slots, new_slots;
   };
-  static SpanSlots span_slots(const Tensor& spans, const Tensor& block_ids, int64_t block_size,
+  static SpanSlots span_slots(const std::vector<int64_t>& spans,
+                              const std::vector<int64_t>& block_ids, int64_t block_size,
                               int64_t rows) {
-    TORCH_CHECK(spans.scalar_type() == torch::kLong && spans.dim() == 2 && spans.size(1) == 5 &&
-                    block_ids.scalar_type() == torch::kLong && block_size > 0,
-                "spans [count, 5] and block ids int64");
-    const Tensor t = spans.contiguous(), b = block_ids.contiguous();
-    const int64_t* ids = b.data_ptr<int64_t>();
-    SpanSlots out{std::vector<int64_t>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel()),
-                  {}, std::vector<int64_t>(rows, -1)};
-    for (int64_t i = 0; i < t.size(0); ++i) {
+    TORCH_CHECK(spans.size() % 5 == 0 && block_size > 0, "spans [count * 5], block size > 0");
+    const int64_t* ids = block_ids.data();
+    const auto blocks = static_cast<int64_t>(block_ids.size());
+    SpanSlots out{spans, {}, std::vector<int64_t>(rows, -1)};
+    for (size_t i = 0; i < spans.size() / 5; ++i) {
       int64_t* span = out.table.data() + i * 5;
       const int64_t first = span[0], num_new = span[1], cached = span[2], total = cached + num_new;
       TORCH_CHECK(first >= 0 && num_new >= 0 && cached >= 0 && first + num_new <= rows,
                   "span ", i, " past the step's rows");
-      TORCH_CHECK(span[3] >= 0 && span[3] + (total + block_size - 1) / block_size <= b.numel(),
+      TORCH_CHECK(span[3] >= 0 && span[3] + (total + block_size - 1) / block_size <= blocks,
                   "span ", i, " past the block ids");
       const int64_t at = static_cast<int64_t>(out.slots.size());
       for (int64_t k = 0; k < total; ++k)
@@ -394,7 +407,7 @@ class Decoder {
   }
 
   std::vector<Layer> layers_;
-  Tensor norm_, feature_norm_, cos_, sin_;
+  Tensor embedding_, norm_, feature_norm_, cos_, sin_;
   Matmul lm_head_;
   float eps_;
   int64_t heads_, kv_heads_, dim_, hidden_, inter_;
@@ -489,7 +502,7 @@ Tensor argmax_op(const Tensor& x) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<std::vector<std::vector<Tensor>>, std::vector<std::vector<int64_t>>,
-                          Tensor, Tensor, Tensor, Tensor, Tensor, int64_t, int64_t, double,
+                          Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int64_t, int64_t, double,
                           int64_t, int64_t, int64_t, int64_t>())
       .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("block_weight", &block_weight);

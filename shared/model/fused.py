@@ -16,6 +16,8 @@ from specmesh.shared.model.llama import LlamaForCausalLM
 from torch import nn
 
 KVLayers = Sequence[tuple[torch.Tensor, ...]]
+NO_MASKS = torch.empty(0, dtype=torch.bool)
+NO_FEATURES = torch.empty(0)
 
 
 def _linears(layer: nn.Module) -> tuple[Linear, ...]:
@@ -34,12 +36,16 @@ def _weights(layer: nn.Module) -> list[torch.Tensor]:
 
 
 def _kernel(
-    cfg: ModelConfig, layers: Sequence[nn.Module], kv_layers: KVLayers, kernel: object | None
+    cfg: ModelConfig,
+    layers: Sequence[nn.Module],
+    kv_layers: KVLayers,
+    embedding: torch.Tensor,
+    kernel: object | None,
 ) -> object | None:
     """`kernel` (default: this checkout's compiled kernels) where it computes these layers,
     else None (layers other than plain Llama ones: Qwen3's q/k norms, routed experts; a
-    head size not a multiple of 8; unpacked weights: not fp32 on CPU; a KV cache not in
-    fp32, which the kernel reads in place; no compiled kernel)."""
+    head size not a multiple of 8; unpacked weights: not fp32 on CPU; a KV cache or
+    embedding not in fp32, which the kernel reads in place; no compiled kernel)."""
     if cfg.qk_norm or cfg.moe is not None or cfg.linear is not None:
         return None  # decoder.cpp computes plain Llama layers only
     if cfg.head_dim % 8:
@@ -48,6 +54,8 @@ def _kernel(
         return None
     if any(t.dtype != torch.float32 for kv in kv_layers for t in kv):
         return None
+    if embedding.dtype != torch.float32 or embedding.device.type != "cpu":
+        return None
     from specmesh.kernels.cpu import load
 
     return kernel or load()
@@ -55,12 +63,11 @@ def _kernel(
 
 def _span_table(
     spans: list[SequenceSpan], block_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """decoder.cpp's view of a step's spans: the [count, 5] table (first row, new rows,
+) -> tuple[list[int], list[int], torch.Tensor]:
+    """decoder.cpp's view of a step's spans: the [count * 5] table (first row, new rows,
     cached tokens, offset into the block ids, offset into the masks or -1), each span's
     block ids (as many as its tokens fill; decoder.cpp derives the slots from them) and the
-    flattened masks. Built from plain lists, in two tensors: a decode step's Python is
-    otherwise a good part of its time."""
+    flattened masks."""
     table, block_ids, masks = [], [], []
     row = mask_offset = 0
     for span in spans:
@@ -72,15 +79,10 @@ def _span_table(
         if span.mask is not None:
             mask_at, mask_offset = mask_offset, mask_offset + span.num_new**2
             masks.append(span.mask.flatten())
-        table.append((row, span.num_new, span.num_cached, len(block_ids), mask_at))
+        table += (row, span.num_new, span.num_cached, len(block_ids), mask_at)
         block_ids += span.block_table[:blocks]
         row += span.num_new
-    flat_masks = torch.cat(masks) if masks else torch.empty(0, dtype=torch.bool)
-    return (
-        torch.tensor(table, dtype=torch.long),
-        torch.tensor(block_ids, dtype=torch.long),
-        flat_masks,
-    )
+    return table, block_ids, torch.cat(masks) if masks else NO_MASKS
 
 
 class FusedDecoder:
@@ -93,6 +95,7 @@ class FusedDecoder:
         layers: Sequence[nn.Module],
         norm: RMSNorm,
         kv_layers: KVLayers,
+        embedding: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         feature_norm: RMSNorm | None = None,
         lm_head: Linear | None = None,
@@ -103,6 +106,7 @@ class FusedDecoder:
         self.decoder = kernel.Decoder(
             [w + list(kv) for w, kv in zip(weights, kv_layers, strict=True)],
             [[m.block_type for m in _linears(layer)] for layer in layers],
+            embedding.detach().contiguous(),
             norm.weight.detach(),
             none if feature_norm is None else feature_norm.weight.detach(),
             *(t.reshape(-1, cfg.head_dim).contiguous() for t in rope),  # [positions, dim]
@@ -123,42 +127,47 @@ class FusedDecoder:
         """A fused decoder for this model once `pack_linears` packed it, or None where the
         kernel does not apply (`_kernel`). `kernel`: another build of the kernels (a
         benchmark comparing builds)."""
-        kernel = _kernel(model.config, model.layers, kv_layers, kernel)
+        embedding = model.embed_tokens.weight
+        kernel = _kernel(model.config, model.layers, kv_layers, embedding, kernel)
         if kernel is None:
             return None
         rope = (model.rope_cos, model.rope_sin)
         head = model.lm_head if model.lm_head.packed is not None else None
-        return cls(kernel, model.config, model.layers, model.norm, kv_layers, rope, None, head)
+        layers, norm = model.layers, model.norm
+        return cls(kernel, model.config, layers, norm, kv_layers, embedding, rope, None, head)
 
     @classmethod
-    def eagle3(cls, head: nn.Module, kv_layers: KVLayers) -> FusedDecoder | None:
-        """An EAGLE-3 head's layer (`EagleHead`, packed), its `norm` the final one; None
-        where the kernel does not apply."""
-        kernel = _kernel(head.config, [head], kv_layers, None)
+    def eagle3(
+        cls, head: nn.Module, kv_layers: KVLayers, embedding: torch.Tensor
+    ) -> FusedDecoder | None:
+        """An EAGLE-3 head's layer (`EagleHead`, packed), its `norm` the final one, its
+        tokens looked up in `embedding`; None where the kernel does not apply."""
+        kernel = _kernel(head.config, [head], kv_layers, embedding, None)
         if kernel is None:
             return None
         rope = (head.rope_cos, head.rope_sin)
-        return cls(kernel, head.config, [head], head.norm, kv_layers, rope, head.hidden_norm)
+        feature_norm = head.hidden_norm
+        return cls(kernel, head.config, [head], head.norm, kv_layers, embedding, rope, feature_norm)
 
     def forward(
         self,
-        embeds: torch.Tensor,
-        positions: torch.Tensor,
+        ids: list[int],
+        positions: list[int],
         spans: list[SequenceSpan],
         block_size: int,
-        out_rows: torch.Tensor,
+        out_rows: list[int],
         aux_layers: tuple[int, ...] = (),
         features: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """As `LlamaForCausalLM.forward` from token embeddings [T, hidden] (and an EAGLE-3
-        head's features [T, hidden]), but the hidden states only at `out_rows` ([R] row
-        indices): the last layer skips the other rows past their K and V. Returns those
-        rows final-normed (their logits where the decoder holds the model's LM head,
-        `has_lm_head`) and before the norm, and the aux layers' outputs (all rows)."""
+        """As `LlamaForCausalLM.forward` from token ids [T] (and an EAGLE-3 head's features
+        [T, hidden]), but the hidden states only at `out_rows` ([R] row indices): the last
+        layer skips the other rows past their K and V. Returns those rows final-normed
+        (their logits where the decoder holds the model's LM head, `has_lm_head`) and
+        before the norm, and the aux layers' outputs (all rows)."""
         table, block_ids, masks = _span_table(spans, block_size)
         out = self.decoder.forward(
-            embeds,
-            torch.empty(0) if features is None else features,
+            ids,
+            NO_FEATURES if features is None else features,
             positions,
             table,
             block_ids,

@@ -78,17 +78,18 @@ class ModelRunner:
         forward succeeded, those of draft trees are left in `linear.kept` for verification.
 
         Returns logits at `logit_rows` and the aux-layer hidden states of all rows."""
+        block_size = self.kv_cache.block_size
+        plain = embeds is None  # only the model's torch path takes embeddings in
+        if plain and self.fused is not None:
+            out, _, aux = self.fused.forward(
+                input_ids, positions, spans, block_size, logit_rows, aux_layers
+            )
+            # logits already where the fused call holds the LM head
+            return (out if self.fused.has_lm_head else self.model.compute_logits(out)), aux
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         out_rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        block_size = self.kv_cache.block_size
         out = None
-        plain = embeds is None  # only the model's torch path takes embeddings in
-        if plain and self.fused is not None:
-            x = self.model.embed_tokens(ids)
-            out, _, aux = self.fused.forward(x, pos, spans, block_size, out_rows, aux_layers)
-            # logits already where the fused call holds the LM head
-            return (out if self.fused.has_lm_head else self.model.compute_logits(out)), aux
         if plain and self.graphs is not None:
             out = self.graphs.run(spans, ids, pos, aux_layers)  # None: not a decode step
         if out is None:

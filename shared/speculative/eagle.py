@@ -511,7 +511,7 @@ class EagleDrafter(LocalDrafter):
     def _fused(self, head: EagleHead) -> FusedDecoder | None:
         """An EAGLE-3 head's layer in the C++ decoder, where it applies (one call per draft
         step instead of a dozen torch ops)."""
-        return FusedDecoder.eagle3(head, self.kv_cache.layers) if head.eagle3 else None
+        return FusedDecoder.eagle3(head, self.kv_cache.layers, self.embed) if head.eagle3 else None
 
     def _logits(self, lm_input: torch.Tensor) -> torch.Tensor:
         """Drafting logits of the LM head's input rows (`EagleHead.lm_input`)."""
@@ -529,15 +529,15 @@ class EagleDrafter(LocalDrafter):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over a step's (token id, feature [T, H]) pairs: its output at `rows`
         ([R, H], the feature fed to their children) and their logits [R, draft vocab]."""
-        device = self.embed.device
-        embeds = self.embed[torch.tensor(ids, device=device)]
-        pos, out_rows = (torch.tensor(v, device=device) for v in (positions, rows))
         block_size = self.kv_cache.block_size
         if self.fused is not None:
             normed, out, _ = self.fused.forward(
-                embeds, pos, spans, block_size, out_rows, features=features
+                ids, positions, spans, block_size, rows, features=features
             )
             return out, self._logits(normed)  # the fused layer's final norm: EAGLE-3's
+        device = self.embed.device
+        embeds = self.embed[torch.tensor(ids, device=device)]
+        pos, out_rows = (torch.tensor(v, device=device) for v in (positions, rows))
         meta = self.head.self_attn.backend.prepare(spans, block_size, device)
         out = self.head(embeds, features, pos, self.kv_cache.layers[0], meta)[out_rows]
         return out, self._logits(self.head.lm_input(out))
