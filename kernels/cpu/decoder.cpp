@@ -72,9 +72,13 @@ struct Matmul {
   Tensor weight, bias;
   int64_t type, n;  // n: output columns
 
-  Tensor operator()(const Tensor& x, const std::optional<Tensor>& residual) const {
-    return type ? quant_linear(x, weight, type, n, bias, residual)
-                : blocked_linear(x, weight, n, bias, residual);
+  // y [rows, n] = x [rows, k] @ W.T (+ bias) (+ residual, null or y itself).
+  void operator()(const float* x, int64_t rows, int64_t k, const float* residual, float* y) const {
+    const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
+    if (type)
+      quant_linear_into(x, rows, k, weight, type, n, b, residual, y);
+    else
+      blocked_linear_into(x, rows, k, weight, n, b, residual, y);
   }
 };
 
@@ -152,8 +156,10 @@ class Decoder {
     auto opts = embedding_.options();
     Tensor h = embed(ids);
     const Tensor out_rows = torch::tensor(out_row_list, opts.dtype(torch::kLong));
-    Tensor normed = torch::empty({rows, hidden_}, opts), attn = torch::empty({rows, q_size}, opts);
-    Tensor act = torch::empty({rows, inter_}, opts);
+    // the layers' scratch, reused by each: no allocation between their parallel regions
+    Tensor normed = torch::empty({rows, hidden_}, opts), qkv = torch::empty({rows, qkv_size}, opts);
+    Tensor attn = torch::empty({rows, q_size}, opts), act = torch::empty({rows, inter_}, opts);
+    Tensor gate_up = torch::empty({rows, 2 * inter_}, opts);
     check_positions(positions, rows);
     const SpanSlots slotted = span_slots(spans, block_ids, block_size, rows);
     const int64_t* slot_of_row = slotted.new_slots.data();
@@ -168,8 +174,9 @@ class Decoder {
     std::vector<Tensor> out(2 + aux_layers.size());
     for (int64_t i = 0; i <= last; ++i) {
       const Layer& l = layers_[i];
-      Tensor qkv = l.qkv(attention_input(l, h, features, normed), std::nullopt);
+      const Tensor in = attention_input(l, h, features, normed);
       float* qp = qkv.data_ptr<float>();
+      l.qkv(in.data_ptr<float>(), rows, in.size(1), nullptr, qp);
       float* kc = l.k_cache.data_ptr<float>();
       float* vc = l.v_cache.data_ptr<float>();
       parallel_jobs(rows, [&](int64_t begin, int64_t end) {
@@ -187,20 +194,25 @@ class Decoder {
         const std::vector<int64_t> table = kept_spans(s, out_rows, rows);
         const Spans kept{table.data(), static_cast<int64_t>(table.size()) / 5, s.slots, s.masks};
         attention(qp, qkv_size, kc, vc, kept, attn.data_ptr<float>());
-        h = finish_layer(l, attn.index_select(0, out_rows), h.index_select(0, out_rows),
-                         normed, act);
+        h = h.index_select(0, out_rows);
+        finish_layer(l, attn.index_select(0, out_rows).data_ptr<float>(), h, normed, gate_up, act);
       } else {
         attention(qp, qkv_size, kc, vc, s, attn.data_ptr<float>());
-        h = finish_layer(l, attn, h, normed, act);
+        finish_layer(l, attn.data_ptr<float>(), h, normed, gate_up, act);
       }
       for (size_t a = 0; a < aux_layers.size(); ++a)
-        if (aux_layers[a] == i) out[2 + a] = h;
+        if (aux_layers[a] == i) out[2 + a] = h.clone();  // h changes in place
     }
     if (!trim) h = h.index_select(0, out_rows);
     Tensor final_normed = torch::empty({h.size(0), hidden_}, opts);
     rms_norm(h.data_ptr<float>(), norm_.data_ptr<float>(), eps_, h.size(0), hidden_,
              final_normed.data_ptr<float>());
-    out[0] = lm_head_.weight.numel() ? lm_head_(final_normed, std::nullopt) : final_normed;
+    out[0] = final_normed;
+    if (lm_head_.weight.numel()) {
+      out[0] = torch::empty({h.size(0), lm_head_.n}, opts);
+      lm_head_(final_normed.data_ptr<float>(), h.size(0), hidden_, nullptr,
+               out[0].data_ptr<float>());
+    }
     out[1] = h;
     return out;
   }
@@ -256,7 +268,8 @@ class Decoder {
   }
 
   // A layer's attention input: its input norm of the residual stream h (into `normed`), or
-  // in an EAGLE-3 head [input_norm(h); feature_norm(features)], h becoming the features.
+  // in an EAGLE-3 head [input_norm(h); feature_norm(features)], h becoming a copy of the
+  // features (the layer adds to it in place).
   Tensor attention_input(const Layer& l, Tensor& h, const Tensor& features, Tensor& normed) const {
     const int64_t rows = h.size(0);
     const float* w = l.input_norm.data_ptr<float>();
@@ -265,35 +278,34 @@ class Decoder {
       return normed;
     }
     Tensor both = torch::empty({rows, 2 * hidden_}, h.options());
-    const Tensor feats = features.contiguous();
-    const float *hp = h.data_ptr<float>(), *fp = feats.data_ptr<float>();
+    const Tensor embedded = h;
+    h = features.clone(at::MemoryFormat::Contiguous);
+    const float *hp = embedded.data_ptr<float>(), *fp = h.data_ptr<float>();
     const float* fw = feature_norm_.data_ptr<float>();
     float* bp = both.data_ptr<float>();
     for (int64_t r = 0; r < rows; ++r) {
       rms_norm(hp + r * hidden_, w, eps_, 1, hidden_, bp + 2 * r * hidden_);
       rms_norm(fp + r * hidden_, fw, eps_, 1, hidden_, bp + (2 * r + 1) * hidden_);
     }
-    h = feats;
     return both;
   }
 
-  // A layer past its attention, at attn's rows: o_proj onto the residual h, then the MLP.
-  // normed, act: scratch of at least as many rows.
-  Tensor finish_layer(const Layer& l, const Tensor& attn, Tensor h, Tensor& normed,
-                      Tensor& act) const {
+  // A layer past its attention at h's rows (attn [rows, heads * dim]), onto the residual
+  // stream h in place: h += o(attn), then h += the MLP of its post-norm. normed, gate_up,
+  // act: scratch of at least as many rows.
+  void finish_layer(const Layer& l, const float* attn, Tensor& h, const Tensor& normed,
+                    const Tensor& gate_up, const Tensor& act) const {
     const int64_t rows = h.size(0), inter = inter_;
-    h = l.o(attn, h);
-    Tensor n = normed.narrow(0, 0, rows), a = act.narrow(0, 0, rows);
-    rms_norm(h.data_ptr<float>(), l.post_norm.data_ptr<float>(), eps_, rows, hidden_,
-             n.data_ptr<float>());
-    Tensor gate_up = l.gate_up(n, std::nullopt);
-    const float* gp = gate_up.data_ptr<float>();
-    float* ap = a.data_ptr<float>();
+    float *hp = h.data_ptr<float>(), *np = normed.data_ptr<float>();
+    float *gp = gate_up.data_ptr<float>(), *ap = act.data_ptr<float>();
+    l.o(attn, rows, heads_ * dim_, hp, hp);
+    rms_norm(hp, l.post_norm.data_ptr<float>(), eps_, rows, hidden_, np);
+    l.gate_up(np, rows, hidden_, nullptr, gp);
     parallel_jobs(rows, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         silu_mul(gp + r * 2 * inter, gp + r * 2 * inter + inter, inter, ap + r * inter);
     });
-    return l.down(a, h);
+    l.down(ap, rows, inter, hp, hp);
   }
 
   // The spans attention needs for the `keep` rows only: a causal span with rows not kept

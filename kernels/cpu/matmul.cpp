@@ -225,18 +225,24 @@ torch::Tensor block_weight(const torch::Tensor& weight) {
 
 torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& blocked, int64_t n,
                              const torch::Tensor& bias, const std::optional<torch::Tensor>& residual) {
-  const int64_t m = x.size(0), k = x.size(1), blocks = blocked.size(0);
-  TORCH_CHECK(x.is_contiguous() && blocked.size(1) == k, "x [M, K] contiguous, K as the weight's");
+  const int64_t m = x.size(0);
+  TORCH_CHECK(x.is_contiguous(), "x [M, K] contiguous");
   TORCH_CHECK(!residual || (residual->is_contiguous() && residual->size(0) == m), "residual [M, N]");
   auto y = torch::empty({m, n}, x.options());
-  const float *xp = x.data_ptr<float>(), *bp = data_or_null(bias);
-  const float* rp = residual ? residual->data_ptr<float>() : nullptr;
-  if (blocked.scalar_type() == torch::kBFloat16)
-    linear_blocks(xp, m, k, reinterpret_cast<const uint16_t*>(blocked.data_ptr()), blocks, n, bp,
-                  rp, y.data_ptr<float>());
-  else
-    linear_blocks(xp, m, k, blocked.data_ptr<float>(), blocks, n, bp, rp, y.data_ptr<float>());
+  blocked_linear_into(x.data_ptr<float>(), m, x.size(1), blocked, n, data_or_null(bias),
+                      residual ? residual->data_ptr<float>() : nullptr, y.data_ptr<float>());
   return y;
+}
+
+void blocked_linear_into(const float* x, int64_t m, int64_t k, const torch::Tensor& blocked,
+                         int64_t n, const float* bias, const float* residual, float* y) {
+  const int64_t blocks = blocked.size(0);
+  TORCH_CHECK(blocked.size(1) == k, "x's K as the weight's");
+  if (blocked.scalar_type() == torch::kBFloat16)
+    linear_blocks(x, m, k, reinterpret_cast<const uint16_t*>(blocked.data_ptr()), blocks, n, bias,
+                  residual, y);
+  else
+    linear_blocks(x, m, k, blocked.data_ptr<float>(), blocks, n, bias, residual, y);
 }
 
 void matmul_rows(const float* x, int64_t rows, int64_t k, const float* w, int64_t block_stride,

@@ -18,6 +18,11 @@ torch::Tensor block_weight(const torch::Tensor& weight);
 torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& blocked, int64_t n,
                              const torch::Tensor& bias, const std::optional<torch::Tensor>& residual);
 
+// The same into y [m, n] from rows x [m, k] (contiguous): bias [n] and residual [m, n] may be
+// null, and residual may be y itself (each output adds its own element).
+void blocked_linear_into(const float* x, int64_t m, int64_t k, const torch::Tensor& blocked,
+                         int64_t n, const float* bias, const float* residual, float* y);
+
 // y [rows, n] = x [rows, k] @ w (+ y itself where `accumulate`), w in block_weight's
 // layout (ceil(n / 16) blocks [k, 16], zero-padded, `block_stride` floats apart: k * 16
 // when packed tight); y's rows are `ld` apart. On the calling thread: for callers that

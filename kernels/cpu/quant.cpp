@@ -747,10 +747,24 @@ bool quant_vnni(std::optional<bool> enable) {
 
 Tensor quant_linear(const Tensor& x, const Tensor& packed, int64_t type, int64_t n,
                     const Tensor& bias, const std::optional<Tensor>& residual) {
-  if (type == GGML_BF16) return blocked_linear(x, packed, n, bias, residual);
-  const int64_t rows = x.size(0), k = x.size(1);
+  const int64_t rows = x.size(0);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat,
               "x [M, K] contiguous fp32");
+  TORCH_CHECK(!residual || (residual->is_contiguous() && residual->size(0) == rows &&
+                            residual->size(1) == n),
+              "residual [M, N]");
+  TORCH_CHECK(bias.numel() == 0 || bias.numel() == n, "bias [N]");
+  Tensor y = torch::empty({rows, n}, x.options());
+  quant_linear_into(x.data_ptr<float>(), rows, x.size(1), packed, type, n,
+                    bias.numel() ? bias.data_ptr<float>() : nullptr,
+                    residual ? residual->data_ptr<float>() : nullptr, y.data_ptr<float>());
+  return y;
+}
+
+void quant_linear_into(const float* x, int64_t rows, int64_t k, const Tensor& packed,
+                       int64_t type, int64_t n, const float* bias, const float* residual,
+                       float* y) {
+  if (type == GGML_BF16) return blocked_linear_into(x, rows, k, packed, n, bias, residual, y);
   by_type(type, [&](auto t) {
     constexpr int64_t T = decltype(t)::value;
     TORCH_CHECK(k % block_weights(T) == 0, "x's K = ", k, " is not whole blocks of ",
@@ -759,17 +773,8 @@ Tensor quant_linear(const Tensor& x, const Tensor& packed, int64_t type, int64_t
                     packed.size(1) == k / block_weights(T) * panel_bytes(T),
                 "packed weight does not match [", n, ", ", k, "]");
   });
-  TORCH_CHECK(!residual || (residual->is_contiguous() && residual->size(0) == rows &&
-                            residual->size(1) == n),
-              "residual [M, N]");
-  TORCH_CHECK(bias.numel() == 0 || bias.numel() == n, "bias [N]");
-  Tensor y = torch::empty({rows, n}, x.options());
-  const QuantRows xq = quantize_rows(x.data_ptr<float>(), rows, k);
-  const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  const float* res = residual ? residual->data_ptr<float>() : nullptr;
+  const QuantRows xq = quantize_rows(x, rows, k);
   by_type(type, [&](auto t) {
-    linear<decltype(t)::value>(xq, rows, packed.data_ptr<uint8_t>(), n, b, res,
-                               y.data_ptr<float>());
+    linear<decltype(t)::value>(xq, rows, packed.data_ptr<uint8_t>(), n, bias, residual, y);
   });
-  return y;
 }

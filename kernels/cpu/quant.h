@@ -36,6 +36,12 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, 
                            int64_t n, const torch::Tensor& bias,
                            const std::optional<torch::Tensor>& residual);
 
+// The same into y [m, n] from rows x [m, k] (contiguous): bias [n] and residual [m, n] may be
+// null, and residual may be y itself (each output adds its own element).
+void quant_linear_into(const float* x, int64_t m, int64_t k, const torch::Tensor& packed,
+                       int64_t type, int64_t n, const float* bias, const float* residual,
+                       float* y);
+
 // Whether quant_linear runs its AVX-512 VNNI kernels (by default where the CPU has them:
 // the same integer totals, scaled in another order). `enable` switches them, for tests and
 // side-by-side runs; never while serving, since a sequence's logits would change mid-way.
