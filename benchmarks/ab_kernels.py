@@ -13,8 +13,8 @@ this machine moves by 2x between days and by a third within minutes: a kernel ch
 judged by this ratio, not by times taken apart. The ratio has a bias and a scatter of
 its own (two engines, their memory placed apart): run a control first, `--base HEAD` with
 nothing changed (on a Zen 4 day it read 0.996-1.045x), and judge a change against it. A
-base whose `Decoder` takes other arguments (before 2026-11-28's EAGLE-3 feature norm)
-does not compare.
+base whose `Decoder` takes other arguments (before 2a4c42a, which gave it the embedding
+and the step as lists) does not compare.
 """
 
 from __future__ import annotations
