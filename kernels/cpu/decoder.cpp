@@ -111,12 +111,12 @@ class Decoder {
   // lm_head (weight empty: none): the LM head's packed weight, block type and vocabulary,
   // applied to the returned rows.
   Decoder(std::vector<std::vector<Tensor>> layers, std::vector<std::vector<int64_t>> types,
-          Tensor embedding, Tensor final_norm, Tensor feature_norm, Tensor rope_cos, Tensor rope_sin,
-          Tensor lm_head, int64_t lm_head_type, int64_t vocab, double eps, int64_t num_heads,
-          int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size)
-      : embedding_(embedding), norm_(final_norm), feature_norm_(feature_norm), cos_(rope_cos), sin_(rope_sin),
-        lm_head_{lm_head, torch::empty(0), lm_head_type, vocab}, eps_(eps), heads_(num_heads),
-        kv_heads_(num_kv_heads), dim_(head_dim), hidden_(final_norm.numel()),
+          Tensor embedding, Tensor final_norm, Tensor feature_norm, Tensor rope_cos,
+          Tensor rope_sin, Tensor lm_head, int64_t lm_head_type, int64_t vocab, double eps,
+          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size)
+      : embedding_(embedding), norm_(final_norm), feature_norm_(feature_norm), cos_(rope_cos),
+        sin_(rope_sin), lm_head_{lm_head, torch::empty(0), lm_head_type, vocab}, eps_(eps),
+        heads_(num_heads), kv_heads_(num_kv_heads), dim_(head_dim), hidden_(final_norm.numel()),
         inter_(intermediate_size) {
     TORCH_CHECK(rope_cos.dim() == 2 && rope_cos.size(1) == head_dim && rope_cos.is_contiguous() &&
                     rope_sin.sizes() == rope_cos.sizes() && rope_sin.is_contiguous(),
@@ -145,7 +145,8 @@ class Decoder {
   // states (where the decoder holds an LM head, their logits) and the hidden states before
   // that norm, both at `out_rows`, then the residual stream after each layer in
   // `aux_layers` (all rows), in that order. Plain lists, not tensors: a decode step's
-  // Python, run with the caches cold from the last step's weights, costs ~100 us a tensor.
+  // Python runs with the caches full of the last step's weights, where making a tensor
+  // costs many times what passing its list does.
   std::vector<Tensor> forward(std::vector<int64_t> ids, Tensor features,
                               std::vector<int64_t> positions, std::vector<int64_t> spans,
                               std::vector<int64_t> block_ids, int64_t block_size, Tensor masks,
