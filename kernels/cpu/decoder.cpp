@@ -74,11 +74,10 @@ struct Matmul {
 
   // y [rows, n] = x [rows, k] @ W.T (+ bias) (+ residual, null or y itself).
   void operator()(const float* x, int64_t rows, int64_t k, const float* residual, float* y) const {
-    const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
     if (type)
-      quant_linear_into(x, rows, k, weight, type, n, b, residual, y);
+      quant_linear_into(x, rows, k, weight, type, n, data_or_null(bias), residual, y);
     else
-      blocked_linear_into(x, rows, k, weight, n, b, residual, y);
+      blocked_linear_into(x, rows, k, weight, n, data_or_null(bias), residual, y);
   }
 };
 
@@ -223,10 +222,11 @@ class Decoder {
   Tensor embed(const std::vector<int64_t>& ids) const {
     Tensor x = torch::empty({static_cast<int64_t>(ids.size()), hidden_}, embedding_.options());
     const float* table = embedding_.data_ptr<float>();
+    float* rows = x.data_ptr<float>();
     for (size_t r = 0; r < ids.size(); ++r) {
       TORCH_CHECK(ids[r] >= 0 && ids[r] < embedding_.size(0), "token id ", ids[r],
                   " past the vocabulary");
-      std::copy_n(table + ids[r] * hidden_, hidden_, x.data_ptr<float>() + r * hidden_);
+      std::copy_n(table + ids[r] * hidden_, hidden_, rows + r * hidden_);
     }
     return x;
   }

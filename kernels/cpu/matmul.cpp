@@ -182,9 +182,6 @@ void block_rows(const float* x, int64_t rows, int64_t K, const W* w, const W* ne
   }
 }
 
-const float* data_or_null(const torch::Tensor& t) {
-  return t.numel() ? t.data_ptr<float>() : nullptr;
-}
 
 template <typename W>
 void linear_blocks(const float* x, int64_t m, int64_t k, const W* w, int64_t blocks, int64_t n,

@@ -4,6 +4,11 @@
 
 #include <optional>
 
+// An optional fp32 tensor's data (a bias, a residual), null where it is empty.
+inline const float* data_or_null(const torch::Tensor& t) {
+  return t.numel() ? t.data_ptr<float>() : nullptr;
+}
+
 // Output columns per block of block_weight's layout.
 constexpr int64_t BLOCK_COLS = 16;
 

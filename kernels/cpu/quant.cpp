@@ -755,8 +755,7 @@ Tensor quant_linear(const Tensor& x, const Tensor& packed, int64_t type, int64_t
               "residual [M, N]");
   TORCH_CHECK(bias.numel() == 0 || bias.numel() == n, "bias [N]");
   Tensor y = torch::empty({rows, n}, x.options());
-  quant_linear_into(x.data_ptr<float>(), rows, x.size(1), packed, type, n,
-                    bias.numel() ? bias.data_ptr<float>() : nullptr,
+  quant_linear_into(x.data_ptr<float>(), rows, x.size(1), packed, type, n, data_or_null(bias),
                     residual ? residual->data_ptr<float>() : nullptr, y.data_ptr<float>());
   return y;
 }
