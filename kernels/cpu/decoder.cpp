@@ -72,12 +72,20 @@ struct Matmul {
   Tensor weight, bias;
   int64_t type, n;  // n: output columns
 
-  // y [rows, n] = x [rows, k] @ W.T (+ bias) (+ residual, null or y itself).
-  void operator()(const float* x, int64_t rows, int64_t k, const float* residual, float* y) const {
+  // y [rows, n] = x [rows, k] @ W.T (+ bias) (+ residual, null or y itself); `next`: the
+  // reads of the region after it (parallel_jobs).
+  void operator()(const float* x, int64_t rows, int64_t k, const float* residual, float* y,
+                  const Reads& next = {}) const {
     if (type)
-      quant_linear_into(x, rows, k, weight, type, n, data_or_null(bias), residual, y);
+      quant_linear_into(x, rows, k, weight, type, n, data_or_null(bias), residual, y, next);
     else
-      blocked_linear_into(x, rows, k, weight, n, data_or_null(bias), residual, y);
+      blocked_linear_into(x, rows, k, weight, n, data_or_null(bias), residual, y, next);
+  }
+
+  // What this matmul reads first for `rows` rows (nothing where there is no weight).
+  Reads reads(int64_t rows) const {
+    if (!weight.numel()) return {};
+    return type ? quant_reads(weight, type, rows) : blocked_reads(weight, rows);
   }
 };
 
@@ -174,6 +182,7 @@ class Decoder {
     std::vector<Tensor> out(2 + aux_layers.size());
     for (int64_t i = 0; i <= last; ++i) {
       const Layer& l = layers_[i];
+      const Matmul& after = i < last ? layers_[i + 1].qkv : lm_head_;
       const Tensor in = attention_input(l, h, features, normed);
       float* qp = qkv.data_ptr<float>();
       l.qkv(in.data_ptr<float>(), rows, in.size(1), nullptr, qp);
@@ -193,12 +202,13 @@ class Decoder {
       if (trim && i == last) {
         const std::vector<int64_t> table = kept_spans(s, out_rows, rows);
         const Spans kept{table.data(), static_cast<int64_t>(table.size()) / 5, s.slots, s.masks};
-        attention(qp, qkv_size, kc, vc, kept, attn.data_ptr<float>());
+        attention(qp, qkv_size, kc, vc, kept, attn.data_ptr<float>(), l.o.reads(out_rows.numel()));
         h = h.index_select(0, out_rows);
-        finish_layer(l, attn.index_select(0, out_rows).data_ptr<float>(), h, normed, gate_up, act);
+        finish_layer(l, attn.index_select(0, out_rows).data_ptr<float>(), h, normed, gate_up, act,
+                     after);
       } else {
-        attention(qp, qkv_size, kc, vc, s, attn.data_ptr<float>());
-        finish_layer(l, attn.data_ptr<float>(), h, normed, gate_up, act);
+        attention(qp, qkv_size, kc, vc, s, attn.data_ptr<float>(), l.o.reads(rows));
+        finish_layer(l, attn.data_ptr<float>(), h, normed, gate_up, act, after);
       }
       for (size_t a = 0; a < aux_layers.size(); ++a)
         if (aux_layers[a] == i) out[2 + a] = h.clone();  // h changes in place
@@ -210,8 +220,9 @@ class Decoder {
     out[0] = final_normed;
     if (lm_head_.weight.numel()) {
       out[0] = torch::empty({h.size(0), lm_head_.n}, opts);
+      // the next step, one like this, starts with the first layer's qkv
       lm_head_(final_normed.data_ptr<float>(), h.size(0), hidden_, nullptr,
-               out[0].data_ptr<float>());
+               out[0].data_ptr<float>(), layers_[0].qkv.reads(rows));
     }
     out[1] = h;
     return out;
@@ -293,20 +304,20 @@ class Decoder {
 
   // A layer past its attention at h's rows (attn [rows, heads * dim]), onto the residual
   // stream h in place: h += o(attn), then h += the MLP of its post-norm. normed, gate_up,
-  // act: scratch of at least as many rows.
+  // act: scratch of at least as many rows; `after`: the matmul that follows the layer.
   void finish_layer(const Layer& l, const float* attn, Tensor& h, const Tensor& normed,
-                    const Tensor& gate_up, const Tensor& act) const {
+                    const Tensor& gate_up, const Tensor& act, const Matmul& after) const {
     const int64_t rows = h.size(0), inter = inter_;
     float *hp = h.data_ptr<float>(), *np = normed.data_ptr<float>();
     float *gp = gate_up.data_ptr<float>(), *ap = act.data_ptr<float>();
-    l.o(attn, rows, heads_ * dim_, hp, hp);
+    l.o(attn, rows, heads_ * dim_, hp, hp, l.gate_up.reads(rows));
     rms_norm(hp, l.post_norm.data_ptr<float>(), eps_, rows, hidden_, np);
-    l.gate_up(np, rows, hidden_, nullptr, gp);
+    l.gate_up(np, rows, hidden_, nullptr, gp, l.down.reads(rows));
     parallel_jobs(rows, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         silu_mul(gp + r * 2 * inter, gp + r * 2 * inter + inter, inter, ap + r * inter);
     });
-    l.down(ap, rows, inter, hp, hp);
+    l.down(ap, rows, inter, hp, hp, after.reads(rows));
   }
 
   // The spans attention needs for the `keep` rows only: a causal span with rows not kept
@@ -339,7 +350,7 @@ class Decoder {
   // Causal spans of many rows (prefill chunks) take the tiled kernel; the others (decode
   // rows, draft trees with their masks) go row by row.
   void attention(const float* q, int64_t ld, const float* kc, const float* vc, const Spans& s,
-                 float* out) const {
+                 float* out, const Reads& next) const {
     std::vector<const int64_t*> rowwise;
     for (int64_t i = 0; i < s.count; ++i) {
       const int64_t* span = s.table + i * 5;
@@ -349,7 +360,7 @@ class Decoder {
       else
         rowwise.push_back(span);
     }
-    if (!rowwise.empty()) row_attention(q, ld, kc, vc, s, rowwise, out);
+    if (!rowwise.empty()) row_attention(q, ld, kc, vc, s, rowwise, out, next);
   }
 
   // A query row of a rowwise span: its row, the keys it sees (those past `cached` only
@@ -374,8 +385,8 @@ class Decoder {
   // chunk's slots whole and in order, each K/V row once for all query heads). The job that
   // finishes a row's last chunk merges the row's chunks.
   void row_attention(const float* q, int64_t ld, const float* kc, const float* vc,
-                     const Spans& s, const std::vector<const int64_t*>& spans,
-                     float* out) const {
+                     const Spans& s, const std::vector<const int64_t*>& spans, float* out,
+                     const Reads& next) const {
     const int64_t part = partial_floats();
     std::vector<QueryRow> rows;
     std::vector<int64_t> job_row;  // each job's index into rows
@@ -405,7 +416,7 @@ class Decoder {
         if (chunks_done[job_row[job]].fetch_add(1, std::memory_order_acq_rel) == r.chunks - 1)
           merge_row(r, partials.data() + r.first_job * part, out);
       }
-    });
+    }, next);
   }
 
   // One chunk's partial: every head's output, then their maxima, then their sums.

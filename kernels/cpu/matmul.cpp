@@ -185,7 +185,7 @@ void block_rows(const float* x, int64_t rows, int64_t K, const W* w, const W* ne
 
 template <typename W>
 void linear_blocks(const float* x, int64_t m, int64_t k, const W* w, int64_t blocks, int64_t n,
-                   const float* bias, const float* residual, float* y) {
+                   const float* bias, const float* residual, float* y, const Reads& next) {
   const int64_t chunks = (m + JOB_ROWS - 1) / JOB_ROWS;
   // Jobs run block-major, so consecutive jobs of one claim reuse a cached block.
   parallel_jobs(blocks * chunks, [&](int64_t begin, int64_t end) {
@@ -197,7 +197,7 @@ void linear_blocks(const float* x, int64_t m, int64_t k, const W* w, int64_t blo
       block_rows(x + first * k, std::min(m, first + JOB_ROWS) - first, k, block, block + k * COLS,
                  t);
     }
-  });
+  }, next);
 }
 
 }  // namespace
@@ -232,14 +232,21 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& blocke
 }
 
 void blocked_linear_into(const float* x, int64_t m, int64_t k, const torch::Tensor& blocked,
-                         int64_t n, const float* bias, const float* residual, float* y) {
+                         int64_t n, const float* bias, const float* residual, float* y,
+                         const Reads& next) {
   const int64_t blocks = blocked.size(0);
   TORCH_CHECK(blocked.size(1) == k, "x's K as the weight's");
   if (blocked.scalar_type() == torch::kBFloat16)
     linear_blocks(x, m, k, reinterpret_cast<const uint16_t*>(blocked.data_ptr()), blocks, n, bias,
-                  residual, y);
+                  residual, y, next);
   else
-    linear_blocks(x, m, k, blocked.data_ptr<float>(), blocks, n, bias, residual, y);
+    linear_blocks(x, m, k, blocked.data_ptr<float>(), blocks, n, bias, residual, y, next);
+}
+
+Reads blocked_reads(const torch::Tensor& blocked, int64_t rows) {
+  if (rows > JOB_ROWS) return {};
+  // a job per block, as linear_blocks' for one chunk of rows
+  return {blocked.data_ptr(), blocked.size(0), blocked.stride(0) * blocked.element_size()};
 }
 
 void matmul_rows(const float* x, int64_t rows, int64_t k, const float* w, int64_t block_stride,

@@ -4,6 +4,8 @@
 
 #include <optional>
 
+#include "pool.h"
+
 // An optional fp32 tensor's data (a bias, a residual), null where it is empty.
 inline const float* data_or_null(const torch::Tensor& t) {
   return t.numel() ? t.data_ptr<float>() : nullptr;
@@ -24,9 +26,15 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& blocke
                              const torch::Tensor& bias, const std::optional<torch::Tensor>& residual);
 
 // The same into y [m, n] from rows x [m, k] (contiguous): bias [n] and residual [m, n] may be
-// null, and residual may be y itself (each output adds its own element).
+// null, and residual may be y itself (each output adds its own element). `next`: the reads
+// of the region the caller runs after this one (parallel_jobs).
 void blocked_linear_into(const float* x, int64_t m, int64_t k, const torch::Tensor& blocked,
-                         int64_t n, const float* bias, const float* residual, float* y);
+                         int64_t n, const float* bias, const float* residual, float* y,
+                         const Reads& next = {});
+
+// What blocked_linear_into's region over `blocked` reads first for `rows` rows (none for
+// more rows than one job holds: such a step is bound by its FMAs, not its reads).
+Reads blocked_reads(const torch::Tensor& blocked, int64_t rows);
 
 // y [rows, n] = x [rows, k] @ w (+ y itself where `accumulate`), w in block_weight's
 // layout (ceil(n / 16) blocks [k, 16], zero-padded, `block_stride` floats apart: k * 16

@@ -25,6 +25,9 @@ constexpr auto WORKER_SPIN = std::chrono::microseconds(50);
 // The caller spins this long for jobs another thread still runs, then yields its core
 // between looks, so a worker preempted on the same core can finish.
 constexpr auto CALLER_SPIN = std::chrono::microseconds(50);
+// Bytes of its share of the next region a waiting worker requests: about what one core
+// reads in the few microseconds between two regions.
+constexpr int64_t PREFETCH_SHARE_BYTES = 64 * 1024;
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, nullptr,
@@ -86,7 +89,7 @@ class Pool {
     for (auto& w : workers_) w.join();
   }
 
-  void run(int64_t jobs, const Job& fn) {
+  void run(int64_t jobs, const Job& fn, const Reads& next) {
     // Every share of the last region is empty (its jobs are done), so no thread claims
     // anything until a share below is stored; fn_ is stored before the shares (release),
     // so a thread that reads a share of this region (acquire) reads this fn.
@@ -95,6 +98,9 @@ class Pool {
     // only if that thread sleeps through 2^24 regions between the two reads).
     ++generation_;
     fn_.store(&fn, std::memory_order_release);
+    next_base_.store(static_cast<const char*>(next.base), std::memory_order_relaxed);
+    next_jobs_.store(next.jobs, std::memory_order_relaxed);
+    next_job_bytes_.store(next.job_bytes, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
     for (int64_t t = 0; t < threads_; ++t)
       shares_[t].word.store(
@@ -137,6 +143,23 @@ class Pool {
     }
   }
 
+  // Worker `self` requests the first lines of its share of the region after this one,
+  // until `begun()` says a region has begun. A worker reading these while the caller
+  // stores the next region's (a word each) requests lines of either: harmless, since a
+  // prefetch of any address is.
+  template <typename Begun>
+  void prefetch_next(int64_t self, Begun begun) const {
+    const char* base = next_base_.load(std::memory_order_relaxed);
+    const int64_t jobs = next_jobs_.load(std::memory_order_relaxed);
+    const int64_t job_bytes = next_job_bytes_.load(std::memory_order_relaxed);
+    const int64_t begin = jobs * self / threads_ * job_bytes;  // the share as run() splits it
+    const int64_t end =
+        std::min(begin + PREFETCH_SHARE_BYTES, jobs * (self + 1) / threads_ * job_bytes);
+    for (int64_t at = begin; at < end && !begun(); at += 512)
+      for (int64_t line = at; line < std::min(at + 512, end); line += 64)
+        _mm_prefetch(base + line, _MM_HINT_T0);
+  }
+
   void work(int64_t self) {
     in_region = true;
     uint32_t seen = region_.load();
@@ -150,6 +173,7 @@ class Pool {
       }
       seen = region_.load(std::memory_order_acquire);
       claim_all(self);
+      prefetch_next(self, next);
     }
   }
 
@@ -158,6 +182,8 @@ class Pool {
   std::atomic<uint32_t> region_{0};  // the futex workers sleep on; bumped per region
   std::atomic<int> sleeping_{0};
   std::atomic<bool> stop_{false};
+  std::atomic<const char*> next_base_{nullptr};  // the running region's `next`
+  std::atomic<int64_t> next_jobs_{0}, next_job_bytes_{0};
   uint64_t generation_ = 0;  // the caller's alone (under pool_mutex)
   const int64_t threads_;
   std::vector<Share> shares_;
@@ -178,7 +204,7 @@ void forget_pool_in_child() {
 
 }  // namespace
 
-void parallel_jobs(int64_t jobs, const Job& fn) {
+void parallel_jobs(int64_t jobs, const Job& fn, const Reads& next) {
   if (jobs <= 1 || in_region || num_threads == 1) {  // nested regions run inline
     fn(0, jobs);
     return;
@@ -187,11 +213,11 @@ void parallel_jobs(int64_t jobs, const Job& fn) {
   if (pool == nullptr) pool = new Pool(num_threads);
   in_region = true;
   if (jobs < MAX_JOBS) {
-    pool->run(jobs, fn);
+    pool->run(jobs, fn, next);
   } else {  // in regions whose sizes a share's word holds
     for (int64_t first = 0; first < jobs; first += MAX_JOBS - 1) {
       const Job part = [&](int64_t begin, int64_t end) { fn(first + begin, first + end); };
-      pool->run(std::min(MAX_JOBS - 1, jobs - first), part);
+      pool->run(std::min(MAX_JOBS - 1, jobs - first), part, next);
     }
   }
   in_region = false;

@@ -9,9 +9,20 @@
 #include <cstdint>
 #include <functional>
 
+// The bytes a region will read first, a share per thread: `jobs` jobs of `job_bytes`
+// contiguous bytes each from `base`, split among the threads as parallel_jobs splits jobs.
+struct Reads {
+  const void* base = nullptr;
+  int64_t jobs = 0, job_bytes = 0;
+};
+
 // fn(begin, end) over ranges that together cover the jobs [0, jobs) once, on the calling
-// thread and the pool's workers.
-void parallel_jobs(int64_t jobs, const std::function<void(int64_t, int64_t)>& fn);
+// thread and the pool's workers. A worker done with its jobs then requests the first bytes
+// of its share of `next` (the region the caller runs after this one) until that begins:
+// the memory reads them while the caller finishes this region's last jobs and runs the
+// serial code between the two.
+void parallel_jobs(int64_t jobs, const std::function<void(int64_t, int64_t)>& fn,
+                   const Reads& next = {});
 
 // Threads that run jobs, the caller included (>= 1). Changing it restarts the workers.
 void set_num_threads(int64_t threads);

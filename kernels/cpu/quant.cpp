@@ -528,7 +528,7 @@ bool use_vnni = HAS_VNNI;
 
 template <int64_t Type>
 void linear(const QuantRows& x, int64_t rows, const uint8_t* packed, int64_t n, const float* bias,
-            const float* residual, float* y) {
+            const float* residual, float* y, const Reads& next) {
   const int64_t panels = (n + PANEL - 1) / PANEL;
   const int64_t stride = x.blocks * QK / block_weights(Type) * panel_bytes(Type);
   const int64_t col_jobs = (panels + JOB_PANELS - 1) / JOB_PANELS;
@@ -556,7 +556,7 @@ void linear(const QuantRows& x, int64_t rows, const uint8_t* packed, int64_t n, 
         }
       }
     }
-  });
+  }, next);
 }
 
 // One GGUF block of one column, decoded: its values (unsigned; Q8_0's int8 bits), fp16 d
@@ -739,6 +739,14 @@ Tensor quant_pack(const Tensor& weight, int64_t type) {
   });
 }
 
+Reads quant_reads(const Tensor& packed, int64_t type, int64_t rows) {
+  if (type == GGML_BF16) return blocked_reads(packed, rows);
+  if (rows > JOB_ROWS) return {};
+  // a job per JOB_PANELS panels, as linear's for one job of rows
+  return {packed.data_ptr(), (packed.size(0) + JOB_PANELS - 1) / JOB_PANELS,
+          JOB_PANELS * packed.size(1)};
+}
+
 bool quant_vnni(std::optional<bool> enable) {
   TORCH_CHECK(!enable.value_or(false) || HAS_VNNI, "this CPU has no AVX-512 VNNI");
   if (enable) use_vnni = *enable;
@@ -762,8 +770,9 @@ Tensor quant_linear(const Tensor& x, const Tensor& packed, int64_t type, int64_t
 
 void quant_linear_into(const float* x, int64_t rows, int64_t k, const Tensor& packed,
                        int64_t type, int64_t n, const float* bias, const float* residual,
-                       float* y) {
-  if (type == GGML_BF16) return blocked_linear_into(x, rows, k, packed, n, bias, residual, y);
+                       float* y, const Reads& next) {
+  if (type == GGML_BF16)
+    return blocked_linear_into(x, rows, k, packed, n, bias, residual, y, next);
   by_type(type, [&](auto t) {
     constexpr int64_t T = decltype(t)::value;
     TORCH_CHECK(k % block_weights(T) == 0, "x's K = ", k, " is not whole blocks of ",
@@ -774,6 +783,6 @@ void quant_linear_into(const float* x, int64_t rows, int64_t k, const Tensor& pa
   });
   const QuantRows xq = quantize_rows(x, rows, k);
   by_type(type, [&](auto t) {
-    linear<decltype(t)::value>(xq, rows, packed.data_ptr<uint8_t>(), n, bias, residual, y);
+    linear<decltype(t)::value>(xq, rows, packed.data_ptr<uint8_t>(), n, bias, residual, y, next);
   });
 }

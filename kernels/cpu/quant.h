@@ -4,6 +4,8 @@
 
 #include <optional>
 
+#include "pool.h"
+
 // GGML's ids of the block types served here.
 // 32 weights a block, each block with an fp16 scale d (and for Q4_1, Q5_1 an fp16 offset m):
 //   Q8_0 w = d q (int8 q); Q4_0 w = d (q - 8), Q4_1 w = d q + m (4-bit q);
@@ -37,10 +39,15 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, 
                            const std::optional<torch::Tensor>& residual);
 
 // The same into y [m, n] from rows x [m, k] (contiguous): bias [n] and residual [m, n] may be
-// null, and residual may be y itself (each output adds its own element).
+// null, and residual may be y itself (each output adds its own element). `next`: the reads
+// of the region the caller runs after this one (parallel_jobs).
 void quant_linear_into(const float* x, int64_t m, int64_t k, const torch::Tensor& packed,
                        int64_t type, int64_t n, const float* bias, const float* residual,
-                       float* y);
+                       float* y, const Reads& next = {});
+
+// What quant_linear_into's region over `packed` reads first for `rows` rows (none for more
+// rows than one job holds: such a step is bound by its FMAs, not its reads).
+Reads quant_reads(const torch::Tensor& packed, int64_t type, int64_t rows);
 
 // Whether quant_linear runs its AVX-512 VNNI kernels (by default where the CPU has them:
 // the same integer totals, scaled in another order). `enable` switches them, for tests and
