@@ -1,7 +1,7 @@
 """This checkout's CPU kernels against a git revision's, taking turns in one process.
 
     python benchmarks/ab_kernels.py --base REV [--quantization gguf] [--batch 1]
-        [--new-tokens 1] [--context 300] [--rounds 30]
+        [--new-tokens 1] [--context 300] [--rounds 30] [--same-weights]
     python benchmarks/ab_kernels.py --base REV --prefill 4096 [--rounds 4]
 
 Each build of `kernels/cpu` serves an engine of its own, its weights packed by that build
@@ -12,9 +12,12 @@ the speed-up of this checkout over the base, per round and their median. Wall ti
 this machine moves by 2x between days and by a third within minutes: a kernel change is
 judged by this ratio, not by times taken apart. The ratio has a bias and a scatter of
 its own (two engines, their memory placed apart): run a control first, `--base HEAD` with
-nothing changed (on a Zen 4 day it read 0.996-1.045x), and judge a change against it. A
-base whose `Decoder` takes other arguments (before 2a4c42a, which gave it the embedding
-and the step as lists) does not compare.
+nothing changed (on a Zen 4 day it read 0.996-1.045x), and judge a change against it.
+Memory on this machine reads at different speeds by where a buffer lands (one 256 MB
+buffer ~26 GB/s, the next ~32, round after round), so two engines' weights may not read
+alike: `--same-weights` (decode, builds that pack their weights alike) gives both builds'
+fused decoders one engine's weights. A base whose `Decoder` takes other arguments (before
+2a4c42a, which gave it the embedding and the step as lists) does not compare.
 """
 
 from __future__ import annotations
@@ -70,23 +73,33 @@ def build(sources: Path) -> ModuleType:
 
 
 class Builds:
-    """An engine per kernel build, its weights packed and its steps fused by that build."""
+    """An engine per kernel build, its weights packed and its steps fused by that build; or,
+    `same_weights`, one engine whose weights (packed by the first build) every build's
+    fused decoder reads, so that where the memory holds them is no difference."""
 
-    def __init__(self, make_engine: Callable[[], LLMEngine], modules: list[ModuleType]) -> None:
-        self.modules, self.engines = modules, []
+    def __init__(
+        self,
+        make_engine: Callable[[], LLMEngine],
+        modules: list[ModuleType],
+        same_weights: bool = False,
+    ) -> None:
+        self.modules, self.engines, self.fused = modules, [], []
         for build, module in enumerate(modules):
             self.use_kernels(build)
-            engine = make_engine()
+            if build == 0 or not same_weights:
+                self.engines.append(make_engine())
+            engine = self.engines[-1]
             model, kv = engine.runner.model, engine.kv_cache.layers
-            engine.runner.fused = FusedDecoder.build(model, kv, module)
-            self.engines.append(engine)
+            self.fused.append(FusedDecoder.build(model, kv, module))
 
     def use_kernels(self, build: int) -> None:
         layers.load_cpu_kernels = lambda: self.modules[build]
 
     def use(self, build: int) -> LLMEngine:
         self.use_kernels(build)
-        return self.engines[build]
+        engine = self.engines[min(build, len(self.engines) - 1)]
+        engine.runner.fused = self.fused[build]
+        return engine
 
 
 def turns(builds: Builds, rounds: int, turn: Callable[[LLMEngine], list[float]]) -> None:
@@ -115,6 +128,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--prefill", type=int, default=0, help="prompt tokens: time prefill")
     parser.add_argument("--rounds", type=int, default=None, help="default 30 (prefill: 4)")
+    parser.add_argument(
+        "--same-weights",
+        action="store_true",
+        help="one engine's weights for both builds (decode; builds that pack weights alike)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         modules = [build(sources_at(args.base, Path(tmp))), build(cpu_kernels.HERE)]
@@ -127,7 +145,7 @@ def main() -> None:
     config = EngineConfig(
         model=str(model), max_num_seqs=max(args.batch, 8), quantization=args.quantization
     )
-    builds = Builds(lambda: LLMEngine(config), modules)
+    builds = Builds(lambda: LLMEngine(config), modules, args.same_weights)
 
     def steps(engine: LLMEngine) -> list[float]:
         probe, samples = StepProbe(engine, args.context), []
