@@ -202,18 +202,22 @@ void linear_blocks(const float* x, int64_t m, int64_t k, const W* w, int64_t blo
 
 }  // namespace
 
+torch::Tensor huge_page_empty(torch::IntArrayRef sizes, torch::TensorOptions options) {
+  const size_t page = size_t{1} << 21;
+  const size_t bytes = (c10::multiply_integers(sizes) * options.dtype().itemsize() + page - 1) /
+                       page * page;
+  void* data = std::aligned_alloc(page, bytes);
+  TORCH_CHECK(data, "out of memory for a weight of ", bytes, " bytes");
+  madvise(data, bytes, MADV_HUGEPAGE);
+  return torch::from_blob(data, sizes, [](void* p) { std::free(p); }, options);
+}
+
 torch::Tensor block_weight(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == torch::kFloat ||
                                     weight.scalar_type() == torch::kBFloat16),
               "a 2-D fp32 or bf16 weight");
   const int64_t n = weight.size(0), k = weight.size(1), blocks = (n + COLS - 1) / COLS;
-  const size_t page = size_t{1} << 21;
-  const size_t bytes = (blocks * k * COLS * weight.element_size() + page - 1) / page * page;
-  void* data = std::aligned_alloc(page, bytes);
-  TORCH_CHECK(data, "out of memory for a ", n, "x", k, " weight");
-  madvise(data, bytes, MADV_HUGEPAGE);
-  auto blocked = torch::from_blob(data, {blocks, k, COLS}, [](void* p) { std::free(p); },
-                                  weight.options());
+  auto blocked = huge_page_empty({blocks, k, COLS}, weight.options());
   auto padded = torch::zeros({blocks * COLS, k}, weight.options());
   padded.narrow(0, 0, n).copy_(weight);
   blocked.copy_(padded.view({blocks, COLS, k}).transpose(1, 2));

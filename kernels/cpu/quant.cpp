@@ -733,7 +733,7 @@ Tensor quant_pack(const Tensor& weight, int64_t type) {
   const int64_t panels = (n + PANEL - 1) / PANEL;
   return by_type(type, [&](auto t) {
     constexpr int64_t T = decltype(t)::value;
-    Tensor out = torch::empty({panels, blocks * panel_bytes(T)}, torch::kUInt8);
+    Tensor out = huge_page_empty({panels, blocks * panel_bytes(T)}, torch::kUInt8);
     pack<T>(weight.data_ptr<uint8_t>(), n, blocks, out.data_ptr<uint8_t>());
     return out;
   });

@@ -28,7 +28,8 @@ int64_t quant_block_bytes(int64_t type);
 // its blocks along K, as the file holds it) in quant_linear's layout: panels of 16 output
 // columns, each panel its blocks along K, 16 columns' values then their scales (quant.cpp
 // lays them out). About the file's bytes: Q4_K 4.625 bits a weight (its 6-bit sub-block
-// scales a byte each), the others as many as the file's. Columns past N are zero.
+// scales a byte each), the others as many as the file's. Columns past N are zero. On huge
+// pages (huge_page_empty).
 torch::Tensor quant_pack(const torch::Tensor& weight, int64_t type);
 
 // x [M, K] @ W.T (+ bias [N]) (+ residual [M, N]) -> [M, N], W packed by quant_pack with N
