@@ -7,8 +7,10 @@ Prints, each a median over `--runs` interleaved rounds:
 - the memory-read floor of the batch-1 step: the bytes it must read (every weight as the
   kernels hold it: fp32 column blocks, or with `--quantization` their blocks; and the
   sequence's K/V at `--context`), over the read bandwidth of a plain sum in this process,
-  by two probes: a 512 MB buffer (past any cache: memory) and a buffer of the step's own
-  bytes read again and again, as decode reads them (a large L3 holds them on some machines);
+  by three probes: a 512 MB buffer (past any cache: memory), the same on huge pages (where
+  the kernels pack the weights: 4 KB pages read slower on some machines), and a buffer of
+  the step's own bytes read again and again, as decode reads them (a large L3 holds them
+  on some machines);
 - our forward step at batch 1, 8 and 32 (one new token per sequence over
   `--context` cached tokens), timed as decode runs it, step after step (the median of 20
   after 10 unmeasured), and the batch-1 step's ratio to each floor; beside it the same
@@ -34,6 +36,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from specmesh.kernels.cpu import load as load_cpu_kernels
 from specmesh.shared.engine.engine import EngineConfig, LLMEngine
 from specmesh.shared.model.attention import SequenceSpan
 from specmesh.shared.model.fetch import fetch_default_model
@@ -181,6 +184,7 @@ def main() -> None:
     weight_bytes = weight_bytes_per_step(engine.model)
     step_bytes = weight_bytes + kv_bytes_per_step(engine, args.context)
     memory, step_sized = torch.ones(PROBE_BYTES // 4), torch.ones(step_bytes // 4)
+    huge = load_cpu_kernels().huge_page_zeros([PROBE_BYTES // 4], torch.float32)
     for batch in BATCHES:  # warm-up
         probe.forward(batch, 1)
     print(
@@ -192,6 +196,7 @@ def main() -> None:
     for _ in range(args.runs):
         r: dict[str, float] = {
             "floor": step_bytes / read_bandwidth(memory),
+            "huge_floor": step_bytes / read_bandwidth(huge),
             "cached_floor": step_bytes / read_bandwidth(step_sized, warm=5),
         }
         for batch in BATCHES:
@@ -205,17 +210,20 @@ def main() -> None:
             ours, theirs = generate_rates(engine, hf, prompts, args.new_tokens)
             r[f"ours{batch}"], r[f"hf{batch}"], r[f"gen{batch}"] = ours, theirs, ours / theirs
         r["x_floor"] = r["step1"] / r["floor"]
+        r["x_huge_floor"] = r["step1"] / r["huge_floor"]
         r["x_cached_floor"] = r["step1"] / r["cached_floor"]
         rounds.append(r)
         print(
             f"  round {len(rounds)}: floors {r['floor'] * 1e3:.2f} / "
-            f"{r['cached_floor'] * 1e3:.2f} ms, step1 {r['step1'] * 1e3:.2f} ms "
-            f"({r['x_floor']:.2f}x / {r['x_cached_floor']:.2f}x)",
+            f"{r['huge_floor'] * 1e3:.2f} / {r['cached_floor'] * 1e3:.2f} ms, step1 "
+            f"{r['step1'] * 1e3:.2f} ms ({r['x_floor']:.2f}x / {r['x_huge_floor']:.2f}x / "
+            f"{r['x_cached_floor']:.2f}x)",
             flush=True,
         )
     m = lambda key: median_row(rounds, key)  # noqa: E731
     for name, key, size in (
         ("512 MB", "floor", PROBE_BYTES),
+        ("512 MB huge-page", "huge_floor", PROBE_BYTES),
         ("step-sized", "cached_floor", step_bytes),
     ):
         print(

@@ -530,6 +530,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           int64_t, int64_t, int64_t, int64_t>())
       .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("block_weight", &block_weight);
+  m.def("huge_page_zeros", [](std::vector<int64_t> sizes, torch::ScalarType dtype) {
+    return huge_page_empty(sizes, torch::TensorOptions().dtype(dtype)).zero_();
+  });
   m.def("causal_attention", &causal_attention_op,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("blocked_linear", &blocked_linear, pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -13,7 +13,8 @@ inline const float* data_or_null(const torch::Tensor& t) {
 
 // An uninitialised tensor in 2 MB-aligned memory on huge pages (where the kernel gives
 // them): memory read through 4 KB pages streams slower here (a plain sum: 26-34 GB/s
-// against 34-37 on huge pages), and a step reads every weight.
+// against 34-37 on huge pages), and a step reads every weight. Python has it zeroed, as
+// `huge_page_zeros(sizes, dtype)` (bench_step's probe of such memory).
 torch::Tensor huge_page_empty(torch::IntArrayRef sizes, torch::TensorOptions options);
 
 // Output columns per block of block_weight's layout.
