@@ -86,10 +86,9 @@ class Builds:
         self.modules, self.engines, self.fused = modules, [], []
         for build, module in enumerate(modules):
             self.use_kernels(build)
-            if build == 0 or not same_weights:
-                self.engines.append(make_engine())
-            engine = self.engines[-1]
+            engine = self.engines[0] if same_weights and build else make_engine()
             model, kv = engine.runner.model, engine.kv_cache.layers
+            self.engines.append(engine)
             self.fused.append(FusedDecoder.build(model, kv, module))
 
     def use_kernels(self, build: int) -> None:
@@ -97,7 +96,7 @@ class Builds:
 
     def use(self, build: int) -> LLMEngine:
         self.use_kernels(build)
-        engine = self.engines[min(build, len(self.engines) - 1)]
+        engine = self.engines[build]
         engine.runner.fused = self.fused[build]
         return engine
 

@@ -49,6 +49,7 @@ from torch import nn
 BATCHES = (1, 8, 32)
 VERIFY_TOKENS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 PROBE_BYTES = 512 * 2**20
+FLOORS = ("floor", "huge_floor", "cached_floor")  # a round's floors, as its probes' keys
 CHAT = [
     "Explain how a hash map works.",
     "Write a short story about a robot learning to paint.",
@@ -209,15 +210,14 @@ def main() -> None:
             prompts = (chat * (batch // len(chat) + 1))[:batch]
             ours, theirs = generate_rates(engine, hf, prompts, args.new_tokens)
             r[f"ours{batch}"], r[f"hf{batch}"], r[f"gen{batch}"] = ours, theirs, ours / theirs
-        r["x_floor"] = r["step1"] / r["floor"]
-        r["x_huge_floor"] = r["step1"] / r["huge_floor"]
-        r["x_cached_floor"] = r["step1"] / r["cached_floor"]
+        for key in FLOORS:
+            r[f"x_{key}"] = r["step1"] / r[key]
         rounds.append(r)
+        floors = " / ".join(f"{r[key] * 1e3:.2f}" for key in FLOORS)
+        ratios = " / ".join(f"{r[f'x_{key}']:.2f}x" for key in FLOORS)
         print(
-            f"  round {len(rounds)}: floors {r['floor'] * 1e3:.2f} / "
-            f"{r['huge_floor'] * 1e3:.2f} / {r['cached_floor'] * 1e3:.2f} ms, step1 "
-            f"{r['step1'] * 1e3:.2f} ms ({r['x_floor']:.2f}x / {r['x_huge_floor']:.2f}x / "
-            f"{r['x_cached_floor']:.2f}x)",
+            f"  round {len(rounds)}: floors {floors} ms, step1 {r['step1'] * 1e3:.2f} ms "
+            f"({ratios})",
             flush=True,
         )
     m = lambda key: median_row(rounds, key)  # noqa: E731

@@ -182,7 +182,6 @@ void block_rows(const float* x, int64_t rows, int64_t K, const W* w, const W* ne
   }
 }
 
-
 template <typename W>
 void linear_blocks(const float* x, int64_t m, int64_t k, const W* w, int64_t blocks, int64_t n,
                    const float* bias, const float* residual, float* y, const Reads& next) {
@@ -207,7 +206,7 @@ torch::Tensor huge_page_empty(torch::IntArrayRef sizes, torch::TensorOptions opt
   const size_t bytes = (c10::multiply_integers(sizes) * options.dtype().itemsize() + page - 1) /
                        page * page;
   void* data = std::aligned_alloc(page, bytes);
-  TORCH_CHECK(data, "out of memory for a weight of ", bytes, " bytes");
+  TORCH_CHECK(data, "out of memory for ", bytes, " bytes on huge pages");
   madvise(data, bytes, MADV_HUGEPAGE);
   return torch::from_blob(data, sizes, [](void* p) { std::free(p); }, options);
 }

@@ -526,12 +526,15 @@ const bool HAS_VNNI = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supp
                       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
 bool use_vnni = HAS_VNNI;
 
+// linear's jobs over a row job's `panels` panels: JOB_PANELS each.
+constexpr int64_t panel_jobs(int64_t panels) { return (panels + JOB_PANELS - 1) / JOB_PANELS; }
+
 template <int64_t Type>
 void linear(const QuantRows& x, int64_t rows, const uint8_t* packed, int64_t n, const float* bias,
             const float* residual, float* y, const Reads& next) {
   const int64_t panels = (n + PANEL - 1) / PANEL;
   const int64_t stride = x.blocks * QK / block_weights(Type) * panel_bytes(Type);
-  const int64_t col_jobs = (panels + JOB_PANELS - 1) / JOB_PANELS;
+  const int64_t col_jobs = panel_jobs(panels);
   const int64_t row_jobs = (rows + JOB_ROWS - 1) / JOB_ROWS;
   // passes[n - 1]: the kernel for n rows, chosen once a call
   using Pass = void (*)(const uint8_t*, const QuantRows&, int64_t, float*, int64_t);
@@ -742,9 +745,7 @@ Tensor quant_pack(const Tensor& weight, int64_t type) {
 Reads quant_reads(const Tensor& packed, int64_t type, int64_t rows) {
   if (type == GGML_BF16) return blocked_reads(packed, rows);
   if (rows > JOB_ROWS) return {};
-  // a job per JOB_PANELS panels, as linear's for one job of rows
-  return {packed.data_ptr(), (packed.size(0) + JOB_PANELS - 1) / JOB_PANELS,
-          JOB_PANELS * packed.size(1)};
+  return {packed.data_ptr(), panel_jobs(packed.size(0)), JOB_PANELS * packed.size(1)};
 }
 
 bool quant_vnni(std::optional<bool> enable) {
